@@ -1,0 +1,47 @@
+# pimlayers: `make train` (the main job) and `make test` (build + full suite) from a clean clone.
+# Needs only python3 (3.11+), a C++ compiler and, optionally, nvcc (CUDA handlers are built when found).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Pinned so CI and every developer run the same stack (jax 0.10.2 is what PyPI serves for CPython 3.11).
+PINS   := jax==0.10.2 jaxlib==0.10.2 numpy==2.4.6 flax==0.12.8 equinox==0.13.8 optax==0.2.8 \
+          jaxtyping==0.3.11 tqdm==4.70.1 pytest==9.2.0 pytest-xdist==3.8.0 ruff==0.17.6 \
+          clang-format==23.1.5 scikit-build-core==1.1.2 pybind11==3.1.0
+JOBS   ?= 2
+
+.PHONY: venv build test test-gpu lint format bench clean
+
+$(VENV)/.stamp:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(PINS)
+	touch $@
+
+venv: $(VENV)/.stamp
+
+# --no-build-isolation: the handlers must be built against the XLA FFI headers of the jaxlib that loads them.
+build: venv
+	$(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | tail -n 20
+
+test: build
+	$(PY) -c "import pimlayers; [print(' ', i) for i in pimlayers.native_info().values()]"
+	$(PY) -m pytest -q -n $(JOBS) --durations=10
+
+test-gpu: build
+	$(PY) -m pytest -q -m gpu -rs
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror csrc/*.cc csrc/*.cu csrc/*.h
+
+format: venv
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/clang-format -i csrc/*.cc csrc/*.cu csrc/*.h
+
+bench: build
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf build $(VENV) pimlayers/*.so

@@ -1,0 +1,1 @@
+"""pimlayers benchmarks: `python -m benchmarks.run` (see docs/benchmarks.md)."""

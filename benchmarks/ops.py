@@ -1,0 +1,123 @@
+"""Native ops against their peers: the XLA reference and the device copy bandwidth, one run.
+
+Each row names the op, its size, its time, the bytes it must move (each input read once, each
+output written once), the achieved GB/s, the peer's time and the ratio peer/ours (> 1: ours faster).
+Every native result is compared with the reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimlayers import ops
+
+from ._harness import time_fn
+
+
+def _check(name, a, b):
+    if np.asarray(a).tobytes() != np.asarray(b).tobytes():
+        raise AssertionError(f"{name}: native and reference disagree; not timing a wrong kernel")
+
+
+def run(size_mb: int = 1024) -> list[dict]:
+    dev = jax.devices()[0]
+    rows: list[dict] = []
+    n32 = size_mb * (1 << 20) // 4
+    key = jax.random.key(0)
+    x32 = jax.device_put(jax.random.normal(key, (n32 // 4096, 4096), jnp.float32), dev)
+    u32 = jax.lax.bitcast_convert_type(x32, jnp.uint32)
+    nbytes = x32.size * 4
+
+    copy = jax.jit(lambda a: a ^ np.uint32(1))  # read + write every byte
+    t_copy = time_fn(copy, u32)
+    copy_gbs = 2 * nbytes / t_copy / 1e9
+    rows.append(dict(op="device copy (XLA xor)", mbytes=size_mb, ms=t_copy * 1e3, gbs=copy_gbs))
+    reduce_ = jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32))  # read-only ceiling through XLA
+    t_red = time_fn(reduce_, u32)
+    rows.append(
+        dict(op="XLA uint32 sum (read only)", mbytes=size_mb, ms=t_red * 1e3, gbs=nbytes / t_red / 1e9)
+    )
+
+    for bank in (4096, 65536):
+        nat = jax.jit(lambda a, b=bank: ops.bank_checksums(a, bank_bytes=b, impl="native"))
+        ref = jax.jit(lambda a, b=bank: ops.bank_checksums(a, bank_bytes=b, impl="reference"))
+        _check("bank_checksums", nat(x32), ref(x32))
+        t_n, t_r = time_fn(nat, x32), time_fn(ref, x32)
+        rows.append(
+            dict(
+                op=f"bank_checksums bank={bank}",
+                mbytes=size_mb,
+                ms=t_n * 1e3,
+                gbs=nbytes / t_n / 1e9,
+                peer="XLA reference",
+                peer_ms=t_r * 1e3,
+                ratio=t_r / t_n,
+                copy_fraction=(nbytes / t_n / 1e9) / copy_gbs,
+            )
+        )
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = x32.astype(dtype).at[::97, 5].set(jnp.nan)
+        nb = x.size * x.dtype.itemsize
+        nat = jax.jit(lambda a: ops.gate(a, limit=1e4, impl="native"))
+        ref = jax.jit(lambda a: ops.gate(a, limit=1e4, impl="reference"))
+        _check("gate", nat(x)[0], ref(x)[0])
+        t_n, t_r = time_fn(nat, x), time_fn(ref, x)
+        rows.append(
+            dict(
+                op=f"gate {jnp.dtype(dtype).name}",
+                mbytes=nb >> 20,
+                ms=t_n * 1e3,
+                gbs=2 * nb / t_n / 1e9,
+                peer="XLA fused where+sum",
+                peer_ms=t_r * 1e3,
+                ratio=t_r / t_n,
+                copy_fraction=(2 * nb / t_n / 1e9) / copy_gbs,
+            )
+        )
+
+    nat = jax.jit(lambda a: ops.parity(a, bank_bytes=4096, group=8, impl="native"))
+    ref = jax.jit(lambda a: ops.parity(a, bank_bytes=4096, group=8, impl="reference"))
+    _check("parity", nat(x32), ref(x32))
+    t_n, t_r = time_fn(nat, x32), time_fn(ref, x32)
+    pb = nbytes * 9 // 8
+    rows.append(
+        dict(
+            op="parity bank=4096 G=8",
+            mbytes=size_mb,
+            ms=t_n * 1e3,
+            gbs=pb / t_n / 1e9,
+            peer="XLA reference",
+            peer_ms=t_r * 1e3,
+            ratio=t_r / t_n,
+            copy_fraction=(pb / t_n / 1e9) / copy_gbs,
+        )
+    )
+
+    # abft_check on a Llama-3-8B MLP output (M=8192, N=14336, f32 before rounding).
+    m, n, k = (8192 if size_mb >= 512 else 512), 14336, 4096
+    y = jax.device_put(jax.random.normal(key, (m, n), jnp.float32), dev)
+    for block_n in (None, 1024):
+        nbk = 1 if block_n is None else -(-n // block_n)
+        c = jnp.stack([y.reshape(m, nbk, -1).sum(-1), jnp.zeros((m, nbk))], -1)
+        mag = jnp.full((m, nbk), 1e6, jnp.float32)
+        nat = jax.jit(lambda a, b, d, bn=block_n: ops.abft_check(a, b, d, k=k, block_n=bn, impl="native"))
+        ref = jax.jit(lambda a, b, d, bn=block_n: ops.abft_check(a, b, d, k=k, block_n=bn, impl="reference"))
+        _check("abft_check flags", nat(y, c, mag)[1], ref(y, c, mag)[1])
+        t_n, t_r = time_fn(nat, y, c, mag), time_fn(ref, y, c, mag)
+        ab = y.size * 4
+        rows.append(
+            dict(
+                op=f"abft_check {m}x{n} block_n={block_n}",
+                mbytes=ab >> 20,
+                ms=t_n * 1e3,
+                gbs=ab / t_n / 1e9,
+                peer="XLA reference",
+                peer_ms=t_r * 1e3,
+                ratio=t_r / t_n,
+                copy_fraction=(ab / t_n / 1e9) / copy_gbs,
+            )
+        )
+    return rows

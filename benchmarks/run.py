@@ -1,0 +1,33 @@
+"""Run the benchmark suites, write JSON to benchmarks/results/ and refresh docs/benchmarks.md.
+
+python -m benchmarks.run                 # every suite, on the default JAX device
+python -m benchmarks.run --suite ops --size-mb 256
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import ops
+from ._harness import command_line, device_name, write_result
+from .report import render
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=["ops", "all"], default="all")
+    ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
+    args = ap.parse_args()
+    print(f"device: {device_name()}")
+    if args.suite in ("ops", "all"):
+        rows = ops.run(args.size_mb)
+        path = write_result("ops", rows, command_line())
+        for r in rows:
+            extra = f"  peer {r['peer_ms']:.3f} ms  ratio {r['ratio']:.2f}x" if "peer" in r else ""
+            print(f"{r['op']:<42} {r['ms']:9.3f} ms {r['gbs']:9.1f} GB/s{extra}")
+        print(f"wrote {path}")
+    render()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+// ABFT check of a GEMM output y = x @ w against its weighted checksums (Huang & Abraham 1984).
+//
+// For output row i and column block b (columns j = 0 .. n-1 of that block, n <= block_n), the
+// caller computed, from the weight's encoded checksum columns,
+//     c1 = x_i . (sum_j w_:j),   c2 = x_i . (sum_j (j+1) w_:j),   mag = |x_i| . (sum_j |w_:j|).
+// The check forms r1 = sum_j y_ij - c1 and r2 = sum_j (j+1) y_ij - c2.
+//
+// Bound. With f32 accumulation (unit roundoff u) every quantity above is a sum of at most
+// K + n rounded terms bounded by mag. Higham & Mary's probabilistic analysis (SIAM J. Sci. Comput.
+// 2019) bounds such an error by lam * sqrt(terms) * u * (sum of magnitudes) except with probability
+// about 2 exp(-lam^2 / 2) per sum (lam = 8: 2.5e-14). So
+//     B1 = lam * u * (sqrt(K) + sqrt(n) + 2) * mag  +  u_y * sum_j |y_ij|
+// where the last term is the rounding of y to its storage dtype (0 for f32, 2^-8 for bf16).
+// Weights are at most n, so r2 is held to B2 = n * B1. A block is "detected" when |r1| > B1,
+// |r2| > B2, or it holds a non-finite value.
+//
+// Location. One wrong value e at column j gives r1 = e + n1, r2 = (j+1) e + n2 with |n1| <= B1,
+// |n2| <= B2, so |r2/r1 - (j+1)| <= (B2 + n B1) / |r1| = 2 n B1 / |r1|: the rounded ratio names j
+// for certain once |r1| > 4 n B1. Smaller detected errors, and ratios that name no column, are
+// "detected, not corrected" (the caller recomputes). A single non-finite value is located by
+// itself. The corrected value is rebuilt from the checksum, c1 - sum_{k != j} y_ik, never by
+// subtracting a (possibly huge or non-finite) residual.
+#pragma once
+
+#include "common.h"
+
+namespace pimlayers {
+
+enum AbftFlag : int32_t { kAbftClean = 0, kAbftCorrected = 1, kAbftDetected = 2 };
+
+struct AbftDecision {
+  int32_t flag;
+  int64_t loc;  // column within the block to rebuild when flag == kAbftCorrected
+};
+
+struct AbftParams {
+  int64_t k;
+  float u;
+  float lam;
+  float u_y;
+  bool correct;
+};
+
+PL_HD float AbftBound(float mag, double sum_abs, int64_t n, const AbftParams& p) {
+  return p.lam * p.u * (sqrtf(static_cast<float>(p.k)) + sqrtf(static_cast<float>(n)) + 2.0f) *
+             mag +
+         p.u_y * static_cast<float>(sum_abs);
+}
+
+PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonfinite,
+                              int64_t nonfinite_loc, float c1, float c2, float mag, int64_t n,
+                              const AbftParams& p) {
+  AbftDecision d{kAbftClean, -1};
+  if (nonfinite > 0) {
+    if (nonfinite == 1 && p.correct && IsFiniteF(c1)) return {kAbftCorrected, nonfinite_loc};
+    return {kAbftDetected, -1};
+  }
+  float b1 = AbftBound(mag, sum_abs, n, p);
+  double r1 = s1 - static_cast<double>(c1);
+  double r2 = s2 - static_cast<double>(c2);
+  bool bad_inputs = !IsFiniteF(c1) || !IsFiniteF(c2) || !IsFiniteF(mag);
+  if (!bad_inputs && fabs(r1) <= b1 && fabs(r2) <= static_cast<double>(n) * b1) return d;
+  if (!p.correct || bad_inputs) return {kAbftDetected, -1};
+  if (!(fabs(r1) > 4.0 * static_cast<double>(n) * b1)) return {kAbftDetected, -1};
+  double j = rint(r2 / r1) - 1.0;
+  if (!(j >= 0.0 && j < static_cast<double>(n))) return {kAbftDetected, -1};
+  return {kAbftCorrected, static_cast<int64_t>(j)};
+}
+
+// Shape and dtype validation shared by the CPU and CUDA bindings.
+inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer& checks,
+                                  const ffi::AnyBuffer& mag, int64_t block_n, int64_t k,
+                                  const ffi::AnyBuffer& y_out, const ffi::AnyBuffer& flags,
+                                  FloatKind* kind, int64_t* rows, int64_t* n, int64_t* nb) {
+  const std::string op = "abft_check";
+  if (!ToFloatKind(y.element_type(), kind)) {
+    return BadArg(op, std::string("y has dtype ") + DtypeName(y.element_type()) +
+                          "; expected float32, bfloat16 or float16");
+  }
+  auto yd = y.dimensions();
+  if (yd.size() < 2) return BadArg(op, "y has shape " + ShapeString(yd) + "; expected (..., M, N)");
+  if (block_n <= 0 || k < 0) {
+    return BadArg(op, "block_n=" + std::to_string(block_n) + ", k=" + std::to_string(k) +
+                          "; expected block_n >= 1 and k >= 0");
+  }
+  *n = yd[yd.size() - 1];
+  *nb = *n == 0 ? 0 : CeilDiv(*n, block_n);
+  *rows = LeadingCount(yd, 1);
+  if (checks.element_type() != ffi::DataType::F32 || mag.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(checks.element_count()) != *rows * *nb * 2 ||
+      static_cast<int64_t>(mag.element_count()) != *rows * *nb) {
+    return BadArg(
+        op, "checks " + ShapeString(checks.dimensions()) + " / mag " +
+                ShapeString(mag.dimensions()) + " do not match y " + ShapeString(yd) +
+                " with block_n=" + std::to_string(block_n) +
+                "; expected float32 (..., M, nb, 2) and (..., M, nb), nb = " + std::to_string(*nb));
+  }
+  if (y_out.element_type() != y.element_type() || y_out.element_count() != y.element_count() ||
+      flags.element_type() != ffi::DataType::S32 ||
+      static_cast<int64_t>(flags.element_count()) != *rows * *nb) {
+    return BadArg(op, "outputs must be y's dtype and shape, and int32 flags (..., M, nb)");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace pimlayers

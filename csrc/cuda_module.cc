@@ -1,0 +1,30 @@
+// Python module `pimlayers._pimlayers_cuda`: hands XLA the CUDA FFI handlers as capsules.
+#include <pybind11/pybind11.h>
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlGateCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankChecksumsCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCuda);
+
+namespace {
+template <typename T>
+pybind11::capsule Capsule(T* fn) {
+  return pybind11::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+PYBIND11_MODULE(_pimlayers_cuda, m) {
+  m.doc() = "pimlayers CUDA handlers for XLA's FFI";
+  m.def("registrations", []() {
+    pybind11::dict d;
+    d["pimlayers_gate"] = Capsule(PlGateCuda);
+    d["pimlayers_bank_checksums"] = Capsule(PlBankChecksumsCuda);
+    d["pimlayers_parity"] = Capsule(PlParityCuda);
+    d["pimlayers_reconstruct"] = Capsule(PlReconstructCuda);
+    d["pimlayers_abft_check"] = Capsule(PlAbftCheckCuda);
+    return d;
+  });
+}

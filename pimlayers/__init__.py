@@ -1,0 +1,19 @@
+"""pimlayers: fault-tolerant JAX layers for Llama-3-class models.
+
+Public surface (one place to find every name):
+  native_info()            which native FFI handlers loaded, per platform, and why not
+  compile_ahead(fn, ...)   ahead-of-time compile from jax.ShapeDtypeStruct, allocating nothing
+  ops                      gate, bank_checksums, parity, reconstruct, abft_check (+ references)
+  FaultPolicy, FaultReport what protected code is told to do, and what it reports
+  optim                    fault-aware optimizer wrapper (optax shape)
+"""
+
+from . import ops as ops
+from ._aot import compile_ahead as compile_ahead
+from ._native import PlatformInfo as PlatformInfo
+from ._native import has_native as has_native
+from ._native import native_info as native_info
+from .faults import FaultPolicy as FaultPolicy
+from .faults import FaultReport as FaultReport
+
+__version__ = "0.1.0"

@@ -1,0 +1,117 @@
+"""`FaultPolicy`: what protected ops do about faults; static configuration, hashable for `jit`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["FaultPolicy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPolicy:
+    """How protected ops check, correct and gate; pass it as a static argument to `jit`.
+
+    Frozen and hashable (fields are plain Python values, normalised in `__post_init__`), so two equal
+    policies hit the same compilation cache entry. The policy never holds arrays: faults are data,
+    configuration is not.
+    """
+
+    MODES: ClassVar[tuple[str, ...]] = ("off", "detect", "correct")
+
+    mode: str = "correct"  # "off": no checks; "detect": check and count; "correct": also locate and fix.
+    gate: bool = True  # Insulation gates where values leave a protected op (finite values and gradients).
+    gate_fill: float = 0.0  # What a gate writes in place of a rejected value; 0 is neutral for sums.
+    gate_limit: float | None = None  # Gate |x| > gate_limit as well; None gates only NaN/Inf.
+    # Safety factor λ of the probabilistic rounding-error bound used by ABFT checks (Higham & Mary 2019,
+    # "A new approach to probabilistic rounding error analysis"): the bound fails for a dot product with
+    # probability at most 2·exp(-λ²/2). λ = 8 gives ≈ 2.5e-14, so false alarms stay negligible even over
+    # ~1e12 checked dot products per run; smaller λ catches smaller corruptions but alarms more often.
+    lam: float = 8.0
+    block_n: int | None = None  # ABFT column-block width; None checks a whole output row as one block.
+    recompute: bool = True  # Recompute (rare `lax.cond` slow path) a GEMM whose error could not be located.
+    skip_on_uncorrectable: bool = (
+        True  # `pimlayers.optim.fault_aware` skips a step with uncorrectable faults.
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str):
+            raise TypeError(f"FaultPolicy.mode must be a str, one of {self.MODES}; got {self.mode!r}.")
+        if self.mode not in self.MODES:
+            raise ValueError(f"FaultPolicy.mode must be one of {self.MODES}; got {self.mode!r}.")
+        for name in ("gate", "recompute", "skip_on_uncorrectable"):
+            self._set(name, _as_bool(name, getattr(self, name)))
+        self._set("gate_fill", _as_float("gate_fill", self.gate_fill))
+        if self.gate_limit is not None:
+            limit = _as_float("gate_limit", self.gate_limit)
+            if not limit > 0:
+                raise ValueError(
+                    f"FaultPolicy.gate_limit must be a finite float > 0 or None (gate only NaN/Inf); "
+                    f"got {limit!r}."
+                )
+            self._set("gate_limit", limit)
+        lam = _as_float("lam", self.lam)
+        if not lam > 0:
+            raise ValueError(f"FaultPolicy.lam must be a finite float > 0 (8.0 is the default); got {lam!r}.")
+        self._set("lam", lam)
+        if self.block_n is not None:
+            if isinstance(self.block_n, (bool, np.bool_)) or not isinstance(self.block_n, numbers.Integral):
+                raise TypeError(
+                    f"FaultPolicy.block_n must be an int >= 1 or None (whole row); "
+                    f"got {type(self.block_n).__name__} {self.block_n!r}."
+                )
+            if self.block_n < 1:
+                raise ValueError(f"FaultPolicy.block_n must be an int >= 1 or None; got {self.block_n!r}.")
+            self._set("block_n", int(self.block_n))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # Normalise a field of the frozen dataclass.
+
+    @classmethod
+    def off(cls) -> FaultPolicy:
+        """No checks and no gates: the stock layers' behaviour, the baseline for benchmarks."""
+        return cls(mode="off", gate=False, recompute=False, skip_on_uncorrectable=False)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ABFT checks run at all (mode is not "off")."""
+        return self.mode != "off"
+
+    @property
+    def corrects(self) -> bool:
+        """Whether detected errors are located and corrected (mode "correct")."""
+        return self.mode == "correct"
+
+    @property
+    def false_alarm_bound(self) -> float:
+        """Upper bound 2·exp(-λ²/2) on the probability that one dot product's check fails spuriously."""
+        return 2.0 * math.exp(-0.5 * self.lam * self.lam)
+
+    def replace(self, **changes: Any) -> FaultPolicy:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"FaultPolicy.{name} must be a bool; got {type(value).__name__} {value!r}.")
+    return bool(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    # numbers.Real covers Python and NumPy ints and floats; a jax array (maybe a tracer) is refused,
+    # because a policy is static configuration that `jit` hashes.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"FaultPolicy.{name} must be a Python float (static configuration, not an array); "
+            f"got {type(value).__name__} {value!r}."
+        )
+    out = float(value)
+    if not math.isfinite(out):
+        # NaN would also break the policy's equality, and with it jit's compilation cache.
+        raise ValueError(f"FaultPolicy.{name} must be finite; got {out!r}.")
+    return out

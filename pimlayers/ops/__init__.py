@@ -1,0 +1,20 @@
+"""Native ops with pure-JAX twins: the insulation gate, bank checksums, parity, ABFT checks."""
+
+from ._abft import ABFT_CLEAN as ABFT_CLEAN
+from ._abft import ABFT_CORRECTED as ABFT_CORRECTED
+from ._abft import ABFT_DETECTED as ABFT_DETECTED
+from ._abft import WeightChecksums as WeightChecksums
+from ._abft import abft_check as abft_check
+from ._abft import abft_check_reference as abft_check_reference
+from ._abft import abft_checks as abft_checks
+from ._abft import abft_encode as abft_encode
+from ._checksum import bank_checksums as bank_checksums
+from ._checksum import bank_checksums_reference as bank_checksums_reference
+from ._checksum import num_banks as num_banks
+from ._gate import gate as gate
+from ._gate import gate_reference as gate_reference
+from ._parity import num_groups as num_groups
+from ._parity import parity as parity
+from ._parity import parity_reference as parity_reference
+from ._parity import reconstruct as reconstruct
+from ._parity import reconstruct_reference as reconstruct_reference

@@ -1,0 +1,192 @@
+"""ABFT for GEMMs: encode a weight's checksum columns, form the checks, verify and correct y.
+
+Math and bound: see csrc/abft.h, restated here. For y = x @ w (x: (M, K), w: (K, N)), each row of y
+is cut into column blocks of ``block_n``. The weight carries, per block b (encode on write),
+``w1[:, b] = sum_j w[:, j]``, ``w2[:, b] = sum_j (j+1) w[:, j]`` and ``wa[:, b] = sum_j |w[:, j]|``
+(j counted inside the block). The GEMM's checks are ``c = x @ [w1, w2]`` and ``mag = |x| @ wa``,
+computed in f32 at HIGHEST precision. The check then compares the block sums of y with c:
+
+    B1 = lam * u * (sqrt(K) + sqrt(n) + 2) * mag + u_y * sum_j |y_ij|      (n = block width)
+
+a probabilistic rounding-error bound (Higham & Mary 2019; lam = 8 fails with probability about
+2.5e-14 per sum) plus the rounding of y to its storage dtype (u_y = 0 for f32, 2^-8 for bf16).
+|r1| > B1 or |r2| > n*B1 is "detected"; a single error with |r1| > 4 n B1 is located for certain
+and rebuilt from the checksum; smaller detected errors are reported as not corrected (the caller
+recomputes). A lone NaN/Inf is located by itself. Two errors in one block cannot be told apart
+from one by two checksums (Huang & Abraham's scheme corrects one per block); they are detected,
+and very rarely mislocated — use a smaller ``block_n`` to make that less likely.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int32
+
+from ._common import UNIT_ROUNDOFF, check_float
+from ._dispatch import check_impl, dispatch
+
+__all__ = [
+    "ABFT_CLEAN",
+    "ABFT_CORRECTED",
+    "ABFT_DETECTED",
+    "WeightChecksums",
+    "abft_check",
+    "abft_check_reference",
+    "abft_checks",
+    "abft_encode",
+]
+
+ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED = 0, 1, 2
+F32_ROUNDOFF = 2.0**-24
+
+
+class WeightChecksums(NamedTuple):
+    """The checksum columns of a weight w: (K, N), per column block of ``block_n``."""
+
+    sums: Float[Array, "k nb 2"]  # sum_j w[:, j] and sum_j (j+1) w[:, j], per block
+    abs_sums: Float[Array, "k nb"]  # sum_j |w[:, j]| per block
+
+
+def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
+    bn = n if block_n is None else int(block_n)
+    bn = max(bn, 1)
+    return bn, (0 if n == 0 else -(-n // bn))
+
+
+def abft_encode(w: Float[Array, "k n"], block_n: int | None = None) -> WeightChecksums:
+    """Encode w's checksum columns (in f32; the writer of w calls this, "encode on write")."""
+    if w.ndim != 2:
+        raise ValueError(f"pimlayers.abft_encode: w has shape {tuple(w.shape)}; expected (K, N)")
+    k, n = w.shape
+    bn, nb = _blocks(n, block_n)
+    wf = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, nb * bn - n))).reshape(k, nb, bn)
+    pos = jnp.arange(1, bn + 1, dtype=jnp.float32)
+    sums = jnp.stack([wf.sum(-1), (wf * pos[None, None, :]).sum(-1)], axis=-1)
+    return WeightChecksums(sums, jnp.abs(wf).sum(-1))
+
+
+def abft_checks(
+    x: Float[Array, "*m k"], enc: WeightChecksums
+) -> tuple[Float[Array, "*m nb 2"], Float[Array, "*m nb"]]:
+    """The checks of y = x @ w from w's checksum columns: ``(c, mag)`` in f32 at HIGHEST precision."""
+    k, nb = enc.abs_sums.shape
+    xf = x.astype(jnp.float32)
+    hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
+    c = jnp.matmul(xf, enc.sums.reshape(k, nb * 2), precision=hi).reshape(*x.shape[:-1], nb, 2)
+    mag = jnp.matmul(jnp.abs(xf), enc.abs_sums, precision=hi)
+    return c, mag
+
+
+def abft_check_reference(y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool):
+    """Pure-JAX twin of the native check (sums in f32 instead of f64: equal flags away from the bound)."""
+    n = y.shape[-1]
+    bn, nb = block_n, checks.shape[-2]
+    yf = y.astype(jnp.float32)
+    yb = jnp.pad(yf, [(0, 0)] * (y.ndim - 1) + [(0, nb * bn - n)]).reshape(*y.shape[:-1], nb, bn)
+    lead = (1,) * (y.ndim - 1)  # explicit broadcasting (the suite runs with rank promotion raising)
+    col = jnp.arange(bn).reshape(*lead, 1, bn)
+    width = jnp.minimum(bn, n - jnp.arange(nb) * bn).astype(jnp.float32).reshape(*lead, nb)
+    inside = (jnp.arange(nb).reshape(*lead, nb, 1) * bn + col) < n
+    nonfinite = ~jnp.isfinite(yb) & inside
+    yz = jnp.where(nonfinite | ~inside, 0.0, yb)
+    s1 = yz.sum(-1)
+    s2 = (yz * (col + 1).astype(jnp.float32)).sum(-1)
+    sa = jnp.abs(yz).sum(-1)
+    c1, c2 = checks[..., 0], checks[..., 1]
+    u_y = 0.0 if y.dtype == jnp.float32 else UNIT_ROUNDOFF[jnp.dtype(y.dtype)]
+    b1 = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * sa
+    r1, r2 = s1 - c1, s2 - c2
+    bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
+    detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
+    jl = jnp.rint(r2 / r1) - 1.0
+    locatable = correct & ~bad & (jnp.abs(r1) > 4.0 * width * b1) & (jl >= 0) & (jl < width)
+    n_nonfinite = nonfinite.sum(-1)
+    flag = jnp.where(
+        n_nonfinite > 0,
+        jnp.where((n_nonfinite == 1) & correct & jnp.isfinite(c1), ABFT_CORRECTED, ABFT_DETECTED),
+        jnp.where(detected, jnp.where(locatable, ABFT_CORRECTED, ABFT_DETECTED), ABFT_CLEAN),
+    ).astype(jnp.int32)
+    loc = jnp.where(n_nonfinite > 0, jnp.argmax(nonfinite, axis=-1), jl.astype(jnp.int32))
+    at = col == loc[..., None]
+    others = jnp.where(at, 0.0, yz).sum(-1)
+    fixed = jnp.where((flag == ABFT_CORRECTED)[..., None] & at, (c1 - others)[..., None], yb)
+    out = fixed.reshape(*y.shape[:-1], nb * bn)[..., :n].astype(y.dtype)
+    return out, flag
+
+
+def _native(y, checks, mag, k, block_n, lam, u, correct):
+    out = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(mag.shape, jnp.int32))
+    call = jax.ffi.ffi_call(
+        "pimlayers_abft_check", out, vmap_method="broadcast_all", input_output_aliases={0: 0}
+    )
+    return call(
+        y,
+        checks,
+        mag,
+        block_n=np.int64(block_n),
+        k=np.int64(k),
+        unit_roundoff=np.float32(u),
+        lam=np.float32(lam),
+        correct=np.bool_(correct),
+    )
+
+
+def abft_check(
+    y: Float[Array, "*m n"],
+    checks: Float[Array, "*m nb 2"],
+    mag: Float[Array, "*m nb"],
+    *,
+    k: int,
+    block_n: int | None = None,
+    lam: float = 8.0,
+    unit_roundoff: float = F32_ROUNDOFF,
+    correct: bool = True,
+    impl: str = "auto",
+) -> tuple[Float[Array, "*m n"], Int32[Array, "*m nb"]]:
+    """Verify a GEMM output against its checks; locate and rebuild one wrong value per row block.
+
+    Args:
+      y: the GEMM output (f32 before rounding is where the bound is tight; bf16/f16 accepted).
+      checks, mag: from :func:`abft_checks`.
+      k: the GEMM's inner dimension (enters the bound).
+      block_n: column block width used by :func:`abft_encode` (None: the whole row).
+      lam: safety factor of the probabilistic bound.
+      unit_roundoff: u of the accumulation (f32: 2^-24).
+      correct: rebuild located values; False only detects.
+
+    Returns ``(y_out, flags)``; flags per (row, block): 0 clean, 1 corrected, 2 detected and not
+    corrected. No shape depends on the data: a fault never recompiles anything.
+    """
+    check_impl("abft_check", impl)
+    check_float("abft_check", "y", y)
+    if y.ndim < 2:
+        raise ValueError(f"pimlayers.abft_check: y has shape {tuple(y.shape)}; expected (..., M, N)")
+    n = y.shape[-1]
+    bn, nb = _blocks(n, block_n)
+    want_c, want_m = (*y.shape[:-1], nb, 2), (*y.shape[:-1], nb)
+    for name, arr, want in (("checks", checks, want_c), ("mag", mag, want_m)):
+        if tuple(arr.shape) != want or arr.dtype != jnp.float32:
+            raise ValueError(
+                f"pimlayers.abft_check: {name} has {arr.dtype} {tuple(arr.shape)}; expected float32 {want} "
+                f"for y {tuple(y.shape)} with block_n={block_n}"
+            )
+    if not isinstance(k, int | np.integer) or k < 0:
+        raise ValueError(f"pimlayers.abft_check: k={k!r}; expected the GEMM inner dimension (int >= 0)")
+    if not lam > 0 or not unit_roundoff > 0:
+        raise ValueError(f"pimlayers.abft_check: lam={lam}, unit_roundoff={unit_roundoff}; expected both > 0")
+    args = (int(k), bn, float(lam), float(unit_roundoff), bool(correct))
+    return dispatch(
+        "abft_check",
+        impl,
+        lambda a, c, m: _native(a, c, m, *args),
+        lambda a, c, m: abft_check_reference(a, c, m, *args),
+        y,
+        checks,
+        mag,
+    )

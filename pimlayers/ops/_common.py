@@ -1,0 +1,71 @@
+"""Validation and byte views shared by the ops' wrappers and references."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Unit roundoff (half an ulp of 1.0) of each float format.
+UNIT_ROUNDOFF = {
+    jnp.dtype(jnp.float32): 2.0**-24,
+    jnp.dtype(jnp.bfloat16): 2.0**-8,
+    jnp.dtype(jnp.float16): 2.0**-11,
+}
+
+
+def dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def check_float(op: str, name: str, x) -> None:
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(
+            f"pimlayers.{op}: {name} has dtype {dtype_name(x.dtype)}; expected float32, bfloat16 or float16"
+        )
+
+
+def check_byte_addressable(op: str, x) -> None:
+    dt = jnp.dtype(x.dtype)
+    numeric = dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer) or jnp.issubdtype(dt, jnp.floating)
+    sub_byte = dt.name in ("int2", "uint2", "int4", "uint4", "float4_e2m1fn")
+    if not numeric or sub_byte or dt.itemsize not in (1, 2, 4, 8):
+        raise TypeError(
+            f"pimlayers.{op}: x has dtype {dt.name}; "
+            "expected a bool, integer or float dtype of 1, 2, 4 or 8 bytes"
+        )
+
+
+def check_bank_bytes(op: str, bank_bytes: int) -> None:
+    if not isinstance(bank_bytes, int | np.integer) or isinstance(bank_bytes, bool):
+        raise TypeError(f"pimlayers.{op}: bank_bytes must be an int, got {type(bank_bytes).__name__}")
+    if bank_bytes <= 0 or bank_bytes % 16 or bank_bytes > 2**31:
+        raise ValueError(
+            f"pimlayers.{op}: bank_bytes={bank_bytes}; expected a positive multiple of 16 of at most 2**31"
+        )
+
+
+def nbytes(x) -> int:
+    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+
+
+def to_bytes(x) -> jnp.ndarray:
+    """x's bytes in memory order (little-endian), as a flat uint8 vector."""
+    flat = x.reshape(-1)
+    if flat.dtype == jnp.bool_:
+        return flat.astype(jnp.uint8)
+    if flat.dtype.itemsize == 1:
+        return lax.bitcast_convert_type(flat, jnp.uint8)
+    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+
+
+def from_bytes(b, like) -> jnp.ndarray:
+    """Inverse of :func:`to_bytes`: a flat uint8 vector back to ``like``'s dtype and shape."""
+    dt = jnp.dtype(like.dtype)
+    if dt == jnp.bool_:
+        return (b != 0).reshape(like.shape)
+    if dt.itemsize == 1:
+        return lax.bitcast_convert_type(b, dt).reshape(like.shape)
+    return lax.bitcast_convert_type(b.reshape(-1, dt.itemsize), dt).reshape(like.shape)

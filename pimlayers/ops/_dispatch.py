@@ -1,0 +1,76 @@
+"""Choosing, per platform and at lowering time, between a native FFI call and its reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+
+from .._native import has_native
+
+IMPLS = ("auto", "native", "reference")
+
+
+def check_impl(op: str, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"pimlayers.{op}: impl={impl!r}; expected one of {IMPLS}")
+
+
+def dispatch(
+    op: str,
+    impl: str,
+    native: Callable[..., Any],
+    reference: Callable[..., Any],
+    *args,
+    native_on: tuple[str, ...] = ("cpu", "cuda"),
+):
+    """Run ``native`` where its handlers are registered for the platform being lowered (and the op
+    lists that platform in ``native_on``, i.e. the kernel measured faster there), else
+    ``reference``. The choice is made by ``lax.platform_dependent`` when XLA lowers for a device,
+    so one traced function serves CPU and GPU placements alike. ``impl="native"`` uses the FFI
+    call everywhere (lowering fails with XLA's message where no handler exists);
+    ``impl="reference"`` never calls native code.
+    """
+    check_impl(op, impl)
+    native = _varying_like(native, args)
+    reference = _varying_like(reference, args)
+    if impl == "reference":
+        return reference(*args)
+    if impl == "native":
+        return native(*args)
+    cpu = native if has_native("cpu") and "cpu" in native_on else reference
+    cuda = native if has_native("cuda") and "cuda" in native_on else reference
+    return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=reference)
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes x varies over (``aval.vma`` in some jax releases, ``aval.mat.varying``
+    in others)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "manual_axis_type", None)
+        vma = getattr(mat, "varying", None) or ()
+    return frozenset(vma)
+
+
+def _varying_like(fn: Callable[..., Any], args) -> Callable[..., Any]:
+    """Inside shard_map, mark fn's outputs as varying over the mesh axes its inputs vary over.
+
+    An FFI call's results carry no such annotation, so without this the native and reference
+    branches of platform_dependent would disagree in type.
+    """
+    vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(args)))
+    if not vma:
+        return fn
+
+    def wrapped(*a):
+        def fix(o):
+            missing = tuple(sorted(vma - _vma(o)))
+            return lax.pcast(o, missing, to="varying") if missing else o
+
+        return jax.tree.map(fix, fn(*a))
+
+    return wrapped

@@ -1,0 +1,97 @@
+"""The insulation gate: replace non-finite (and optionally out-of-range) values, count them.
+
+Forward: ``y = where(keep, x, fill)`` with ``keep = isfinite(x) & (|x| <= limit)`` and
+``counts[...] = sum(~keep, axis=-1)`` (per row). Backward: the gradient passes only where the value
+was kept, ``dx = where(keep, dy, 0)``, so it is finite even where x held NaN/Inf (the double-`where`
+rule: no NaN from the replaced branch can leak into the gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from ._common import check_float
+from ._dispatch import check_impl, dispatch
+
+__all__ = ["gate", "gate_reference"]
+
+
+def _keep(x, limit: float):
+    xf = x.astype(jnp.float32)  # compare in f32, as the native handlers do
+    return jnp.isfinite(xf) & (jnp.abs(xf) <= jnp.float32(limit))
+
+
+def gate_reference(
+    x: Float[Array, "*rows n"], fill: float = 0.0, limit: float = math.inf
+) -> tuple[Float[Array, "*rows n"], Int[Array, "*rows"]]:
+    """Pure-JAX twin of the native gate (same outputs, bit for bit)."""
+    keep = _keep(x, limit)
+    y = jnp.where(keep, x, jnp.asarray(fill, jnp.float32).astype(x.dtype))
+    dropped = (~keep).astype(jnp.int32)
+    counts = dropped if x.ndim == 0 else jnp.sum(dropped, axis=-1, dtype=jnp.int32)
+    return y, counts
+
+
+def _gate_native(x, fill: float, limit: float):
+    out = (
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct(x.shape[:-1] if x.ndim else (), jnp.int32),
+    )
+    call = jax.ffi.ffi_call("pimlayers_gate", out, vmap_method="broadcast_all")
+    return call(x, fill=np.float32(fill), limit=np.float32(limit))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _gate(x, fill, limit, impl):
+    return dispatch(
+        "gate",
+        impl,
+        lambda a: _gate_native(a, fill, limit),
+        lambda a: gate_reference(a, fill, limit),
+        x,
+        # On the H200 XLA's fused select ran at 0.77x (bf16) to 0.93x (f32) of our kernel's time
+        # (docs/benchmarks.md), and it fuses with its producer, so "auto" keeps XLA there.
+        native_on=("cpu",),
+    )
+
+
+@_gate.defjvp
+def _gate_jvp(fill, limit, impl, primals, tangents):
+    # The gate is the identity where it keeps and a constant elsewhere. Writing the tangent as a
+    # select (linear in dx) gives forward and reverse mode; its transpose is where(keep, dy, 0), so
+    # a NaN cotangent at a replaced position never reaches dx.
+    (x,), (dx,) = primals, tangents
+    y, counts = _gate(x, fill, limit, impl)
+    dy = jnp.where(_keep(x, limit), dx, jnp.zeros_like(dx))
+    return (y, counts), (dy, np.zeros(counts.shape, jax.dtypes.float0))
+
+
+def gate(
+    x: Float[Array, "*rows n"], *, fill: float = 0.0, limit: float | None = None, impl: str = "auto"
+) -> tuple[Float[Array, "*rows n"], Int[Array, "*rows"]]:
+    """Insulation gate. Returns ``(y, counts)``; ``counts`` (int32, shape ``x.shape[:-1]``) holds
+    how many values of each row were replaced.
+
+    Args:
+      x: float32, bfloat16 or float16 array of any shape (a scalar is one row of one value).
+      fill: the replacement value (cast to x's dtype).
+      limit: also replace values with ``|x| > limit``; ``None`` replaces only NaN and ±Inf.
+      impl: "auto" (native where built, else the reference), "native" or "reference".
+    """
+    check_impl("gate", impl)
+    if not hasattr(x, "dtype"):
+        raise TypeError(f"pimlayers.gate: x must be an array, got {type(x).__name__}")
+    check_float("gate", "x", x)
+    if limit is None:
+        limit = math.inf
+    if not isinstance(limit, int | float) or math.isnan(limit) or limit < 0:
+        raise ValueError(f"pimlayers.gate: limit={limit!r}; expected None or a number >= 0")
+    if not isinstance(fill, int | float):
+        raise TypeError(f"pimlayers.gate: fill must be a Python number, got {type(fill).__name__}")
+    return _gate(x, float(fill), float(limit), impl)

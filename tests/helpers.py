@@ -1,0 +1,29 @@
+"""Test helpers: shapes that are not multiples of any tile, trace counters, random inputs."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+RAGGED_SHAPES = [(), (1,), (7,), (129,), (4097,), (0,), (3, 0), (2, 7), (3, 129), (2, 3, 5), (2, 1, 3, 7)]
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> jnp.ndarray:
+    dt = np.dtype(jnp.dtype(dtype))
+    if dt == np.bool_:
+        return jnp.asarray(rng.random(shape) < 0.5)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return jnp.asarray(rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dt))
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 3).astype(dtype)
+
+
+class TraceCounter:
+    """Counts how often a function body is traced (a Python side effect runs once per trace)."""
+
+    def __init__(self, fn):
+        self.fn, self.count = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.fn(*args, **kwargs)

@@ -1,0 +1,127 @@
+"""abft_check: clean GEMMs pass, injected errors are detected, located and rebuilt, native = reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from pimlayers import ops
+
+HI = jax.lax.Precision.HIGHEST
+
+
+def _gemm(rng, m, k, n, scale=1.0, block_n=None):
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * scale)
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(max(k, 1)))
+    enc = ops.abft_encode(w, block_n)
+    c, mag = ops.abft_checks(x, enc)
+    return jnp.matmul(x, w, precision=HI), c, mag
+
+
+def _bound(y, mag, k, block_n, lam=8.0):
+    n = y.shape[-1]
+    bn = n if block_n is None else block_n
+    width = np.minimum(bn, n - np.arange(mag.shape[-1]) * bn)
+    return lam * 2.0**-24 * (np.sqrt(k) + np.sqrt(width) + 2.0) * np.asarray(mag)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_n"), [(1, 1, 1, None), (7, 129, 33, None), (129, 64, 300, 128), (5, 4097, 7, 4)]
+)
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_clean_gemms_pass_untouched(impl, m, k, n, block_n, scale):
+    y, c, mag = _gemm(np.random.default_rng(m * n + k), m, k, n, scale, block_n)
+    out, flags = ops.abft_check(y, c, mag, k=k, block_n=block_n, impl=impl)
+    assert not np.asarray(flags).any()
+    assert np.array_equal(np.asarray(out), np.asarray(y))
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("block_n", [None, 16])
+def test_large_single_errors_are_located_and_rebuilt(impl, block_n):
+    rng = np.random.default_rng(1)
+    m, k, n = 40, 96, 70
+    y, c, mag = _gemm(rng, m, k, n, 1.0, block_n)
+    bn = n if block_n is None else block_n
+    b1 = _bound(y, mag, k, block_n)
+    cols = rng.integers(0, n, size=m)
+    # Errors past the location threshold 4 * width * B1, with random signs.
+    err = 8 * bn * b1[np.arange(m), cols // bn] * rng.choice([-1, 1], size=m)
+    bad = y.at[np.arange(m), cols].add(jnp.asarray(err, jnp.float32))
+    out, flags = ops.abft_check(bad, c, mag, k=k, block_n=block_n, impl=impl)
+    flags = np.asarray(flags)
+    assert np.all(flags[np.arange(m), cols // bn] == ops.ABFT_CORRECTED)
+    assert flags.sum() == m  # nothing else flagged
+    # Rebuilt from the checksum: equal to the clean value within the bound (the checksum's own rounding).
+    assert np.all(np.abs(np.asarray(out) - np.asarray(y)) <= b1.max())
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_small_detected_errors_are_reported_not_guessed(impl):
+    rng = np.random.default_rng(2)
+    y, c, mag = _gemm(rng, 16, 64, 200, 1.0)
+    b1 = _bound(y, mag, 64, None)[:, 0]
+    bad = y.at[np.arange(16), 3].add(jnp.asarray(3 * b1, jnp.float32))  # above B1, below 4 n B1
+    out, flags = ops.abft_check(bad, c, mag, k=64, impl=impl)
+    assert np.all(np.asarray(flags)[:, 0] == ops.ABFT_DETECTED)
+    assert np.array_equal(np.asarray(out), np.asarray(bad))  # left for the caller to recompute
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_nonfinite_values_are_located_and_detect_mode_changes_nothing(impl, dtype):
+    y, c, mag = _gemm(np.random.default_rng(3), 6, 32, 20, 1.0)
+    y = y.astype(dtype)
+    bad = y.at[0, 4].set(jnp.nan).at[2, 19].set(jnp.inf).at[4, 1].set(jnp.nan).at[4, 2].set(-jnp.inf)
+    out, flags = ops.abft_check(bad, c, mag, k=32, impl=impl)
+    assert np.asarray(flags)[:, 0].tolist() == [1, 0, 1, 0, 2, 0]
+    tol = 2 * float(jnp.finfo(dtype).eps) * float(jnp.abs(y.astype(jnp.float32)).max()) + 1e-4
+    assert abs(float(out[0, 4]) - float(y[0, 4])) <= tol and abs(float(out[2, 19]) - float(y[2, 19])) <= tol
+    out_d, flags_d = ops.abft_check(bad, c, mag, k=32, correct=False, impl=impl)
+    assert np.asarray(flags_d)[:, 0].tolist() == [2, 0, 2, 0, 2, 0]
+    assert np.asarray(out_d).tobytes() == np.asarray(bad).tobytes()
+
+
+def test_native_and_reference_agree_on_random_faults():
+    rng = np.random.default_rng(4)
+    y, c, mag = _gemm(rng, 64, 128, 96, 10.0, 32)
+    rows, cols = rng.integers(0, 64, 30), rng.integers(0, 96, 30)
+    bad = y.at[rows, cols].add(
+        jnp.asarray(rng.standard_normal(30).astype(np.float32) * 10.0 ** rng.integers(-3, 4, 30))
+    )
+    o_n, f_n = ops.abft_check(bad, c, mag, k=128, block_n=32, impl="native")
+    o_r, f_r = ops.abft_check(bad, c, mag, k=128, block_n=32, impl="reference")
+    assert np.array_equal(np.asarray(f_n), np.asarray(f_r))
+    # f64 (native) vs f32 (reference) sums: the rebuilt values differ by rounding only.
+    np.testing.assert_allclose(np.asarray(o_n), np.asarray(o_r), rtol=0, atol=1e-3)
+
+
+def test_vmap_jit_and_shard_map(cpu_mesh):
+    rng = np.random.default_rng(5)
+    nd = cpu_mesh.devices.size
+    y, c, mag = _gemm(rng, 8 * nd, 16, 24, 1.0)
+    bad = y.at[::8, 5].set(jnp.nan)
+    want_o, want_f = ops.abft_check(bad, c, mag, k=16, impl="reference")
+    v = jax.vmap(lambda a, b, d: ops.abft_check(a, b, d, k=16))
+    o_v, f_v = v(bad.reshape(nd, 8, 24), c.reshape(nd, 8, 1, 2), mag.reshape(nd, 8, 1))
+    assert np.array_equal(np.asarray(f_v).reshape(-1, 1), np.asarray(want_f))
+    s = jax.shard_map(
+        lambda a, b, d: ops.abft_check(a, b, d, k=16), mesh=cpu_mesh, in_specs=P("d"), out_specs=P("d")
+    )
+    o_s, f_s = jax.jit(s)(bad, c, mag)
+    assert np.array_equal(np.asarray(f_s), np.asarray(want_f))
+    np.testing.assert_allclose(np.asarray(o_s), np.asarray(want_o), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o_v).reshape(-1, 24), np.asarray(want_o), atol=1e-5)
+
+
+def test_zero_size_and_bad_input():
+    out, flags = ops.abft_check(jnp.zeros((0, 5)), jnp.zeros((0, 1, 2)), jnp.zeros((0, 1)), k=3)
+    assert out.shape == (0, 5) and flags.shape == (0, 1)
+    with pytest.raises(TypeError, match=r"y has dtype int32; expected float32, bfloat16 or float16"):
+        ops.abft_check(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 1, 2)), jnp.zeros((2, 1)), k=1)
+    with pytest.raises(ValueError, match=r"checks has float32 \(2, 2, 2\); expected float32 \(2, 1, 2\)"):
+        ops.abft_check(jnp.zeros((2, 3)), jnp.zeros((2, 2, 2)), jnp.zeros((2, 1)), k=1)
+    with pytest.raises(ValueError, match=r"y has shape \(3,\); expected \(..., M, N\)"):
+        ops.abft_check(jnp.zeros(3), jnp.zeros((1, 2)), jnp.zeros(1), k=1)

@@ -1,0 +1,86 @@
+"""gate: native vs reference (bit-exact), gradients, transformations, bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from helpers import RAGGED_SHAPES, random_array
+from jax.sharding import PartitionSpec as P
+
+from pimlayers import ops
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _poisoned(rng, shape, dtype):
+    x = np.array(random_array(rng, shape, jnp.float32))
+    if x.size:
+        flat = x.reshape(-1)
+        idx = rng.choice(flat.size, size=max(1, flat.size // 5), replace=True)
+        flat[idx] = rng.choice([np.nan, np.inf, -np.inf, 1e30, -7.5], size=idx.size)
+    return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RAGGED_SHAPES)
+@pytest.mark.parametrize("limit", [None, 5.0])
+def test_native_matches_reference_bit_exactly(dtype, shape, limit):
+    x = _poisoned(np.random.default_rng(0), shape, dtype)
+    y_n, c_n = jax.jit(lambda a: ops.gate(a, fill=-1.5, limit=limit, impl="native"))(x)
+    y_r, c_r = ops.gate(x, fill=-1.5, limit=limit, impl="reference")
+    assert y_n.dtype == x.dtype and y_n.shape == x.shape and c_n.shape == x.shape[:-1]
+    # Bit patterns, so NaN payloads and -0.0 count too.
+    assert np.asarray(y_n).tobytes() == np.asarray(y_r).tobytes()
+    assert np.array_equal(np.asarray(c_n), np.asarray(c_r))
+    xf = np.asarray(x.astype(jnp.float32))
+    keep = np.isfinite(xf) & (np.abs(xf) <= (math.inf if limit is None else limit))
+    assert np.asarray(c_n).sum() == (~keep).sum()
+    assert np.all(np.isfinite(np.asarray(y_n.astype(jnp.float32))))
+
+
+def test_gradient_passes_only_kept_values_and_is_finite():
+    x = jnp.array([1.0, jnp.nan, -2.0, jnp.inf, 100.0])
+    g = jax.grad(lambda a: jnp.sum(ops.gate(a, limit=10.0)[0] * jnp.arange(5.0)))(x)
+    assert np.array_equal(np.asarray(g), [0.0, 0.0, 2.0, 0.0, 0.0])
+    # Upstream NaN cotangents at replaced positions do not leak either.
+    _, vjp = jax.vjp(lambda a: ops.gate(a, limit=10.0)[0], x)
+    (gx,) = vjp(jnp.full(5, jnp.nan).at[0].set(3.0).at[2].set(4.0))
+    assert np.array_equal(np.asarray(gx), [3.0, 0.0, 4.0, 0.0, 0.0])
+
+
+def test_check_grads_on_finite_inputs():
+    x = jax.random.normal(jax.random.key(0), (3, 5))
+    jax.test_util.check_grads(lambda a: ops.gate(a, limit=10.0)[0], (x,), order=2, modes=("fwd", "rev"))
+
+
+def test_vmap_matches_unbatched():
+    x = _poisoned(np.random.default_rng(1), (4, 3, 9), jnp.bfloat16)
+    y_b, c_b = jax.vmap(lambda a: ops.gate(a, limit=2.0))(x)
+    for i in range(4):
+        y_i, c_i = ops.gate(x[i], limit=2.0)
+        assert np.array_equal(np.asarray(y_b[i]).view(np.uint16), np.asarray(y_i).view(np.uint16))
+        assert np.array_equal(np.asarray(c_b[i]), np.asarray(c_i))
+
+
+def test_inside_shard_map(cpu_mesh):
+    n = cpu_mesh.devices.size
+    x = _poisoned(np.random.default_rng(2), (n * 3, 17), jnp.float32)
+    f = jax.shard_map(
+        lambda a: ops.gate(a, limit=4.0), mesh=cpu_mesh, in_specs=P("d"), out_specs=(P("d"), P("d"))
+    )
+    y, c = jax.jit(f)(x)
+    y_r, c_r = ops.gate(x, limit=4.0, impl="reference")
+    assert np.array_equal(np.asarray(y), np.asarray(y_r), equal_nan=True)
+    assert np.array_equal(np.asarray(c), np.asarray(c_r))
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match=r"gate: x has dtype int32; expected float32, bfloat16 or float16"):
+        ops.gate(jnp.arange(3))
+    with pytest.raises(ValueError, match=r"limit=-1.0; expected None or a number >= 0"):
+        ops.gate(jnp.ones(3), limit=-1.0)
+    with pytest.raises(ValueError, match=r"impl='fast'"):
+        ops.gate(jnp.ones(3), impl="fast")

@@ -1,0 +1,88 @@
+"""CUDA handlers against their pure-JAX references on the GPU (skipped without a CUDA device)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_array
+
+import pimlayers as pl
+from pimlayers import ops
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 7, 129, 4097, 1 << 20]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    assert pl.native_info()["cuda"].loaded, pl.native_info()["cuda"].reason
+    return jax.devices("cuda")[0]
+
+
+def _on(dev, x):
+    return jax.device_put(x, dev)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("n", SIZES)
+def test_gate(gpu, dtype, n):
+    rng = np.random.default_rng(n)
+    x = np.array(random_array(rng, (3, n), jnp.float32))
+    x.reshape(-1)[rng.integers(0, x.size, size=max(1, x.size // 7))] = np.nan
+    x = _on(gpu, jnp.asarray(x).astype(dtype))
+    y, c = jax.jit(lambda a: ops.gate(a, limit=4.0, impl="native"))(x)
+    y_r, c_r = jax.jit(lambda a: ops.gate(a, limit=4.0, impl="reference"))(x)
+    assert np.asarray(y).tobytes() == np.asarray(y_r).tobytes()
+    assert np.array_equal(np.asarray(c), np.asarray(c_r))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint8, jnp.int32])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bank", [16, 4096])
+def test_checksums_parity_reconstruct(gpu, dtype, n, bank):
+    x_host = random_array(np.random.default_rng(n + bank), (n,), dtype)
+    x = _on(gpu, x_host)
+    got = jax.jit(lambda a: ops.bank_checksums(a, bank_bytes=bank, impl="native"))(x)
+    cpu = ops.bank_checksums(x_host, bank_bytes=bank, impl="native")  # the CPU handler
+    assert np.array_equal(np.asarray(got), np.asarray(cpu))
+    par = jax.jit(lambda a: ops.parity(a, bank_bytes=bank, group=4, impl="native"))(x)
+    assert np.array_equal(np.asarray(par), np.asarray(ops.parity(x_host, bank_bytes=bank, group=4)))
+    ng = par.shape[0]
+    lost = np.random.default_rng(1).integers(-1, 4, size=ng).astype(np.int32)
+    nb = ops.num_banks(x_host, bank)
+    lost = np.where(np.arange(ng) * 4 + lost < nb, lost, -1).astype(np.int32)
+    zeroed = jnp.zeros_like(x)
+    fixed = jax.jit(lambda a, p, lo: ops.reconstruct(a, p, lo, bank_bytes=bank, group=4, impl="native"))(
+        zeroed, par, _on(gpu, jnp.asarray(lost))
+    )
+    fixed_r = ops.reconstruct(
+        jnp.zeros_like(x_host), par, jnp.asarray(lost), bank_bytes=bank, group=4, impl="reference"
+    )
+    assert np.asarray(fixed).tobytes() == np.asarray(fixed_r).tobytes()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 129, 33), (257, 512, 4097)])
+@pytest.mark.parametrize("block_n", [None, 128])
+def test_abft(gpu, shape, block_n):
+    m, k, n = shape
+    rng = np.random.default_rng(m)
+    x = _on(gpu, jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)))
+    w = _on(gpu, jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)))
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, block_n))
+    y = jnp.matmul(x, w, precision="highest")
+    rows = rng.integers(0, m, size=min(m, 20))
+    bad = y.at[rows, rng.integers(0, n, size=rows.size)].set(jnp.nan)
+    bad = bad.at[rows, 0].add(1e4 * float(jnp.abs(y).max()))
+    o_n, f_n = jax.jit(lambda a, b, d: ops.abft_check(a, b, d, k=k, block_n=block_n, impl="native"))(
+        bad, c, mag
+    )
+    o_r, f_r = jax.jit(lambda a, b, d: ops.abft_check(a, b, d, k=k, block_n=block_n, impl="reference"))(
+        bad, c, mag
+    )
+    assert np.array_equal(np.asarray(f_n), np.asarray(f_r))
+    _, clean_f = ops.abft_check(y, c, mag, k=k, block_n=block_n, impl="native")
+    assert not np.asarray(clean_f).any()
+    np.testing.assert_allclose(
+        np.asarray(o_n), np.asarray(o_r), atol=1e-2 * float(jnp.abs(y).max()), equal_nan=True
+    )
