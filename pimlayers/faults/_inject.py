@@ -1,0 +1,61 @@
+"""GEMM fault injection that acts inside the compiled computation.
+
+A `GemmFaults` is data (arrays), so a new fault pattern, rate or seed never recompiles: it lists up
+to F sites (row, column, bit) of a GEMM's f32 accumulator and which of them fire. Protected ops flip
+those bits after the matrix product and before their checks — the way a transient error in a matrix
+unit or its output registers would appear.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int32
+
+__all__ = ["GemmFaults", "inject_gemm_faults"]
+
+
+class GemmFaults(NamedTuple):
+    rows: Int32[Array, " f"]  # row of the (flattened to 2-D) GEMM output
+    cols: Int32[Array, " f"]
+    bits: Int32[Array, " f"]  # bit of the f32 value to flip (31 sign, 30..23 exponent, 22..0 mantissa)
+    active: Bool[Array, " f"]
+
+    @staticmethod
+    def none(sites: int = 1) -> GemmFaults:
+        z = jnp.zeros((sites,), jnp.int32)
+        return GemmFaults(z, z, z, jnp.zeros((sites,), bool))
+
+    @staticmethod
+    def random(
+        key, shape: tuple[int, int], sites: int, rate: float | jax.Array = 1.0, bit=None
+    ) -> GemmFaults:
+        """`sites` candidate sites uniformly over an (M, N) output, each firing with probability `rate`;
+        `bit` None draws a random bit per site (any of the 32)."""
+        kr, kc, kb, ka = jax.random.split(key, 4)
+        m, n = shape
+        rows = jax.random.randint(kr, (sites,), 0, max(m, 1), jnp.int32)
+        cols = jax.random.randint(kc, (sites,), 0, max(n, 1), jnp.int32)
+        if bit is None:
+            bits = jax.random.randint(kb, (sites,), 0, 32, jnp.int32)
+        else:
+            bits = jnp.broadcast_to(jnp.asarray(bit, jnp.int32), (sites,))
+        active = (jax.random.uniform(ka, (sites,)) < rate) & (m > 0) & (n > 0)
+        return GemmFaults(rows, cols, bits, active)
+
+
+def inject_gemm_faults(y: Float[Array, "m n"], faults: GemmFaults | None) -> Float[Array, "m n"]:
+    """Flip the active sites' bits of an f32 GEMM output (a no-op for None)."""
+    if faults is None:
+        return y
+    bits = lax.bitcast_convert_type(y, jnp.uint32)
+    mask = jnp.where(
+        faults.active, jnp.left_shift(jnp.uint32(1), faults.bits.astype(jnp.uint32)), jnp.uint32(0)
+    )
+    # Gather, XOR, scatter: a site drawn twice flips once (its last draw wins).
+    old = bits[faults.rows, faults.cols]
+    bits = bits.at[faults.rows, faults.cols].set(old ^ mask, mode="drop")
+    return lax.bitcast_convert_type(bits, jnp.float32)

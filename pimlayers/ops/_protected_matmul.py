@@ -1,0 +1,183 @@
+"""protected_matmul: y = x @ w verified by ABFT, corrected, recomputed on a rare slow path, reported.
+
+Forward, for x: (..., K) and w: (K, N) in f32, bf16 or f16:
+  1. y32 = x @ w with f32 accumulation (bf16/f16 products are exact in f32; f32 inputs run at
+     HIGHEST precision so TF32 rounding cannot swamp the bound);
+  2. [tests and demos] injected faults flip bits of y32 inside the compiled step;
+  3. abft_check against the weight's encoded checksum columns (``enc``; "encode on write": whoever
+     writes w refreshes them) — before rounding to bf16, where the bound is tight;
+  4. errors located there are rebuilt in place; anything detected but not located triggers one
+     recompute of the GEMM under ``lax.cond`` (the rare slow path), checked again; what still
+     disagrees is reported as uncorrectable — never silent;
+  5. the insulation gate replaces non-finite (and out-of-range) values and counts them.
+
+Backward (custom VJP): dx = dy @ w^T and dw = x^T @ dy go through the same checked GEMM, with the
+checksum columns of w^T and dy encoded on the fly, and the same gate. Their report comes out as
+the cotangent of ``tap`` (a float32 vector of FaultReport.NUM fields): differentiate with respect
+to it to read the backward pass's faults.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..faults import FaultPolicy, FaultReport
+from ..faults._inject import GemmFaults, inject_gemm_faults
+from ._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums, abft_check, abft_checks, abft_encode
+from ._common import check_float
+from ._gate import gate
+
+__all__ = ["REPORT_FIELDS", "protected_matmul", "report_from_tap", "zero_tap"]
+
+REPORT_FIELDS = tuple(FaultReport.zeros().to_dict().keys())
+
+
+def zero_tap() -> jax.Array:
+    """The ``tap`` argument: zeros whose gradient is the backward pass's FaultReport."""
+    return jnp.zeros((len(REPORT_FIELDS),), jnp.float32)
+
+
+def report_from_tap(g: jax.Array) -> FaultReport:
+    """A FaultReport from the gradient of a tap (counts travel as exact small floats)."""
+    vals = jnp.rint(g).astype(jnp.int32)
+    return FaultReport(**{name: vals[..., i] for i, name in enumerate(REPORT_FIELDS)})
+
+
+def _to_tap(r: FaultReport) -> jax.Array:
+    return jnp.stack([getattr(r, name).astype(jnp.float32) for name in REPORT_FIELDS])
+
+
+def _dot(a, b, precision):
+    return lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl):
+    """(R, K) @ (K, N) -> (f32 (R, N), FaultReport), per the policy."""
+    y = inject_gemm_faults(_dot(a, b, precision), faults)
+    report = FaultReport.zeros()
+    if policy.enabled:
+        kw = dict(k=a.shape[1], block_n=policy.block_n, lam=policy.lam, impl=impl)
+        c, mag = abft_checks(a, enc)
+        y, flags = abft_check(y, c, mag, correct=policy.corrects, **kw)
+        in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
+        pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
+        detected = (in_place + pending > 0).astype(jnp.int32)
+        recomputed = jnp.int32(0)
+        if policy.corrects and policy.recompute:
+
+            def slow(y_bad):
+                # The barrier keeps XLA from reusing the first product: this is a real recompute.
+                a2, b2 = lax.optimization_barrier((a, b))
+                y2, flags2 = abft_check(_dot(a2, b2, precision), c, mag, correct=True, **kw)
+                return y2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(1)
+
+            y, still, recomputed = lax.cond(pending > 0, slow, lambda y_ok: (y_ok, pending, jnp.int32(0)), y)
+        else:
+            still = pending
+        report = FaultReport(
+            gemm_checked=1,
+            gemm_detected=detected,
+            gemm_corrected=in_place + (pending - still),
+            gemm_recomputed=recomputed,
+            gemm_uncorrectable=still,
+        )
+    if policy.gate:
+        y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
+        report = report + FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
+    return y, report
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _pmm(x2, w, enc, faults, tap, policy, precision, impl):
+    del tap
+    fwd_faults = None if faults is None else faults[0]
+    return _checked_gemm(x2, w, enc, policy, fwd_faults, precision, impl)
+
+
+def _pmm_fwd(x2, w, enc, faults, tap, policy, precision, impl):
+    out = _pmm(x2, w, enc, faults, tap, policy, precision, impl)
+    return out, (x2, w, enc, faults)
+
+
+def _pmm_bwd(policy, precision, impl, res, cts):
+    x2, w, enc, faults = res
+    dy, _ = cts
+    dy = dy.astype(jnp.float32)
+    f_dx = f_dw = None
+    if faults is not None:
+        f_dx, f_dw = faults[1], faults[2]
+    wt = w.T.astype(jnp.float32)
+    dx, r_dx = _checked_gemm(dy, wt, abft_encode(wt, policy.block_n), policy, f_dx, precision, impl)
+    xt = x2.T.astype(jnp.float32)
+    dw, r_dw = _checked_gemm(xt, dy, abft_encode(dy, policy.block_n), policy, f_dw, precision, impl)
+    zeros_enc = jax.tree.map(jnp.zeros_like, enc)
+    no_faults = (
+        None if faults is None else jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), faults)
+    )
+    return dx.astype(x2.dtype), dw.astype(w.dtype), zeros_enc, no_faults, _to_tap(r_dx + r_dw)
+
+
+_pmm.defvjp(_pmm_fwd, _pmm_bwd)
+
+
+def protected_matmul(
+    x,
+    w,
+    enc: WeightChecksums | None = None,
+    *,
+    policy: FaultPolicy | None = None,
+    faults: tuple[GemmFaults | None, GemmFaults | None, GemmFaults | None] | GemmFaults | None = None,
+    tap: jax.Array | None = None,
+    precision=None,
+    impl: str = "auto",
+):
+    """``y = x @ w`` verified, corrected and reported. Returns ``(y, report)``.
+
+    Args:
+      x: (..., K) float32, bfloat16 or float16.
+      w: (K, N), same dtype family; y has ``jnp.result_type(x, w)``.
+      enc: ``abft_encode(w, policy.block_n)``, refreshed whenever w is written. None encodes on the
+        fly (an extra pass over w per call).
+      policy: FaultPolicy (default: correct, recompute, gate non-finite).
+      faults: injection for tests and demos — a GemmFaults for the forward product, or a triple
+        (forward, dx, dw) that also hits the backward products.
+      tap: ``zero_tap()``; its gradient is the backward pass's report (``report_from_tap``).
+      precision: matmul precision; default HIGHEST for f32 inputs, DEFAULT otherwise.
+    """
+    policy = FaultPolicy() if policy is None else policy
+    check_float("protected_matmul", "x", x)
+    check_float("protected_matmul", "w", w)
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"pimlayers.protected_matmul: x {tuple(x.shape)} @ w {tuple(w.shape)}; expected x (..., K) and "
+            f"w (K, N) with the same K"
+        )
+    k, n = w.shape
+    out_dtype = jnp.result_type(x.dtype, w.dtype)
+    if enc is None:
+        enc = abft_encode(w, policy.block_n)
+    nb = 0 if n == 0 else -(-n // (n if policy.block_n is None else policy.block_n))
+    if enc.sums.shape != (k, nb, 2) or enc.abs_sums.shape != (k, nb):
+        raise ValueError(
+            f"pimlayers.protected_matmul: checksum columns have shapes {tuple(enc.sums.shape)} / "
+            f"{tuple(enc.abs_sums.shape)}; expected ({k}, {nb}, 2) / ({k}, {nb}) — re-encode w with "
+            f"abft_encode(w, block_n={policy.block_n})"
+        )
+    if precision is None:
+        precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else lax.Precision.DEFAULT
+    if isinstance(faults, GemmFaults):
+        faults = (faults, None, None)
+    if faults is not None:
+        faults = tuple(GemmFaults.none() if f is None else f for f in faults)
+    tap = zero_tap() if tap is None else tap
+    with jax.named_scope("pimlayers.protected_matmul"):
+        x2 = x.reshape(-1, k)
+        y, report = _pmm(x2, w, enc, faults, tap, policy, precision, impl)
+    return y.astype(out_dtype).reshape(*x.shape[:-1], n), report
