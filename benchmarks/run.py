@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from . import ops
+from . import abft_campaign, matmul, ops
 from ._harness import command_line, device_name, write_result
 from .report import render
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["ops", "all"], default="all")
+    ap.add_argument("--suite", choices=["ops", "matmul", "abft", "all"], default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
     args = ap.parse_args()
     print(f"device: {device_name()}")
@@ -26,6 +26,13 @@ def main() -> None:
             extra = f"  peer {r['peer_ms']:.3f} ms  ratio {r['ratio']:.2f}x" if "peer" in r else ""
             print(f"{r['op']:<42} {r['ms']:9.3f} ms {r['gbs']:9.1f} GB/s{extra}")
         print(f"wrote {path}")
+    for name, suite in (("matmul", matmul), ("abft", abft_campaign)):
+        if args.suite in (name, "all"):
+            rows = suite.run()
+            path = write_result(name, rows, command_line())
+            for r in rows:
+                print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+            print(f"wrote {path}")
     render()
 
 

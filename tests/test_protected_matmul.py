@@ -1,0 +1,162 @@
+"""protected_matmul: equal to the plain product, faults detected/corrected/recomputed, never silent."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TraceCounter
+
+import pimlayers as pl
+from pimlayers import ops
+from pimlayers.faults import GemmFaults
+
+HI = jax.lax.Precision.HIGHEST
+
+
+def _xw(m, k, n, dtype=jnp.float32, scale=1.0, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = (jax.random.normal(kx, (m, k)) * scale).astype(dtype)
+    w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(dtype)
+    return x, w
+
+
+def _plain(x, w):
+    return jnp.matmul(x, w, precision=HI, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 129, 33), (3, 5, 64, 100)])
+def test_clean_equals_plain_and_reports_nothing(dtype, shape):
+    *lead, k, n = shape
+    x, w = _xw(int(np.prod(lead)), k, n, dtype)
+    x = x.reshape(*lead, k)
+    for mode in ("off", "detect", "correct"):
+        y, r = jax.jit(lambda a, b, m=mode: ops.protected_matmul(a, b, policy=pl.FaultPolicy(mode=m)))(x, w)
+        assert y.shape == (*lead, n) and y.dtype == dtype
+        # Same f32 accumulation, same rounding: bit-identical to the plain product.
+        assert np.asarray(y).tobytes() == np.asarray(_plain(x, w)).tobytes()
+        d = r.to_dict()
+        assert d["gemm_checked"] == (mode != "off") and d["gemm_detected"] == 0 and d["nonfinite_gated"] == 0
+
+
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_injected_faults_corrected_and_counted(block_n):
+    x, w = _xw(64, 128, 96)
+    policy = pl.FaultPolicy(block_n=block_n)
+    enc = ops.abft_encode(w, block_n)
+    clean = _plain(x, w)
+    # An error below the detection bound (a low mantissa bit) is indistinguishable from rounding and
+    # passes; the stated guarantee is "within the bound of the clean product".
+    _, mag = ops.abft_checks(x, enc)
+    bound = float(8 * 2.0**-24 * (np.sqrt(128) + np.sqrt(96) + 2) * jnp.max(mag))
+    f = jax.jit(lambda a, b, e, fl: ops.protected_matmul(a, b, e, policy=policy, faults=fl))
+    for seed, bit in enumerate([30, 29, 27, 31, 22, 10]):
+        faults = GemmFaults.random(jax.random.key(seed), (64, 96), 8, 1.0, bit=bit)
+        y, r = f(x, w, enc, faults)
+        d = r.to_dict()
+        assert d["gemm_uncorrectable"] == 0
+        # Whatever was detected was repaired: the output is the clean product within the bound.
+        np.testing.assert_allclose(np.asarray(y), np.asarray(clean), atol=2 * bound, rtol=0)
+        if bit >= 27:  # exponent/sign flips of O(1) values are far above the bound
+            assert d["gemm_detected"] == 1 and d["gemm_corrected"] >= 1
+
+
+def test_detect_mode_reports_and_does_not_touch():
+    x, w = _xw(16, 32, 24)
+    faults = GemmFaults.random(jax.random.key(0), (16, 24), 4, 1.0, bit=30)
+    y, r = ops.protected_matmul(x, w, policy=pl.FaultPolicy(mode="detect", gate=False), faults=faults)
+    d = r.to_dict()
+    assert d["gemm_detected"] == 1 and d["gemm_corrected"] == 0 and d["gemm_uncorrectable"] >= 1
+    assert not np.allclose(np.asarray(y), np.asarray(_plain(x, w)))
+
+
+def test_no_recompile_when_faults_come_and_go():
+    x, w = _xw(32, 64, 48)
+    body = TraceCounter(lambda a, b, fl: ops.protected_matmul(a, b, faults=fl))
+    f = jax.jit(body)
+    for seed in range(6):
+        rate = 0.0 if seed % 2 else 1.0
+        _, r = f(x, w, GemmFaults.random(jax.random.key(seed), (32, 48), 4, rate, bit=30))
+        assert r.to_dict()["gemm_detected"] == (0 if seed % 2 else 1)
+    assert body.count == 1
+
+
+def test_gradients_match_plain_and_backward_faults_are_reported():
+    x, w = _xw(24, 40, 36)
+
+    def loss(a, b, tap, faults):
+        y, _ = ops.protected_matmul(a, b, tap=tap, faults=faults)
+        return jnp.sum(jnp.sin(y))
+
+    gx0, gw0 = jax.grad(lambda a, b: jnp.sum(jnp.sin(_plain(a, b))), argnums=(0, 1))(x, w)
+    none = (GemmFaults.none(), GemmFaults.none(), GemmFaults.none())
+    gx, gw, gt = jax.grad(loss, argnums=(0, 1, 2))(x, w, ops.zero_tap(), none)
+    np.testing.assert_allclose(gx, gx0, atol=1e-5)
+    np.testing.assert_allclose(gw, gw0, atol=1e-5)
+    assert ops.report_from_tap(gt).to_dict()["gemm_checked"] == 2  # dx and dw
+    hit = (
+        GemmFaults.none(),
+        GemmFaults.random(jax.random.key(1), (24, 40), 3, 1.0, bit=30),
+        GemmFaults.random(jax.random.key(2), (40, 36), 3, 1.0, bit=30),
+    )
+    gx, gw, gt = jax.grad(loss, argnums=(0, 1, 2))(x, w, ops.zero_tap(), hit)
+    d = ops.report_from_tap(gt).to_dict()
+    assert d["gemm_detected"] == 2 and d["gemm_uncorrectable"] == 0
+    np.testing.assert_allclose(gx, gx0, atol=1e-5)
+    np.testing.assert_allclose(gw, gw0, atol=1e-5)
+
+
+def test_nan_and_inf_stay_out_of_values_and_gradients():
+    x, w = _xw(8, 16, 12)
+    x = x.at[0, 0].set(jnp.nan).at[3, 5].set(jnp.inf)  # whole rows go non-finite: nothing to correct
+
+    def loss(a, b):
+        y, _ = ops.protected_matmul(a, b)
+        return jnp.sum(y**2)
+
+    y, r = ops.protected_matmul(x, w)
+    assert np.isfinite(np.asarray(y)).all() and r.to_dict()["nonfinite_gated"] == 24
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert np.isfinite(np.asarray(gx)).all() and np.isfinite(np.asarray(gw)).all()
+
+
+def test_seeded_campaign_every_error_above_the_bound_is_caught():
+    """2,000 seeded single-bit faults on ragged GEMMs at scales 1e-3..1e3 (the 10^4 campaign over
+    Llama-3 shapes runs on the GPU: benchmarks/abft_campaign.py)."""
+    rng = np.random.default_rng(0)
+    caught = 0
+    for trial in range(8):
+        m, k, n = (int(v) for v in (rng.integers(1, 40), rng.integers(1, 200), rng.integers(1, 130)))
+        x, w = _xw(m, k, n, seed=trial, scale=10.0 ** rng.uniform(-3, 3))
+        enc = ops.abft_encode(w)
+        _, mag = ops.abft_checks(x, enc)
+        clean = np.asarray(jnp.matmul(x, w, precision=HI))
+        bound = 8 * 2.0**-24 * (np.sqrt(k) + np.sqrt(n) + 2) * np.asarray(mag)[:, 0]
+        keys = jax.random.split(jax.random.key(trial), 250)
+        faults = jax.vmap(lambda kk, m=m, n=n: GemmFaults.random(kk, (m, n), 1, 1.0))(keys)
+        ys, rs = jax.jit(jax.vmap(lambda fl, x=x, w=w, enc=enc: ops.protected_matmul(x, w, enc, faults=fl)))(
+            faults
+        )
+        rows, cols = np.asarray(faults.rows[:, 0]), np.asarray(faults.cols[:, 0])
+        bits = np.asarray(faults.bits[:, 0]).astype(np.uint32)
+        hit = (clean[rows, cols].view(np.uint32) ^ (np.uint32(1) << bits)).view(np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            err = np.abs(hit.astype(np.float64) - clean[rows, cols])
+        above = ~np.isfinite(err) | (err > bound[rows])
+        detected = np.asarray(rs.gemm_detected) == 1
+        assert np.all(detected[above]), f"missed {np.flatnonzero(above & ~detected)[:5]}"
+        assert not np.asarray(rs.gemm_uncorrectable).any()
+        # Every output equals the clean product within the bound: repaired, or the error was below it.
+        assert np.all(np.abs(np.asarray(ys) - clean[None]) <= 2 * bound[None, :, None] + 1e-30)
+        caught += int(above.sum())
+    assert caught > 500  # the campaign exercised the detector, not only harmless low bits
+
+
+def test_bad_input():
+    x, w = _xw(4, 8, 6)
+    with pytest.raises(ValueError, match=r"x \(4, 8\) @ w \(7, 6\); expected x \(..., K\) and w \(K, N\)"):
+        ops.protected_matmul(x, w[:7])
+    with pytest.raises(TypeError, match=r"x has dtype int32"):
+        ops.protected_matmul(jnp.ones((4, 8), jnp.int32), w)
+    with pytest.raises(ValueError, match=r"re-encode w with abft_encode\(w, block_n=None\)"):
+        ops.protected_matmul(x, w, ops.abft_encode(w, 2))
