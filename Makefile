@@ -29,8 +29,10 @@ test: build
 	$(PY) -c "import pimlayers; [print(' ', i) for i in pimlayers.native_info().values()]"
 	$(PY) -m pytest -q -n $(JOBS) --durations=10
 
+# One process per GPU test run; XLA's default preallocation (75% of the card per process) would
+# starve parallel workers.
 test-gpu: build
-	$(PY) -m pytest -q -m gpu -rs
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -m gpu -rs
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
