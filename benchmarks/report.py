@@ -14,10 +14,16 @@ Ratios compare against the peer measured in the same run: ratio = peer time / ou
 ours is faster). GB/s counts the bytes an op must move (inputs read once, outputs written once);
 "copy_fraction" relates that to the device copy bandwidth measured in the same run.
 
-Reading the matmul table: "fwd+bwd" differentiates a loss linear in y, so XLA drops the plain
-version's forward product (its TFLOP/s column counts three GEMMs but it ran two; divide by 1.5),
-while the protected version still runs and checks its forward. The ratio is therefore pessimistic
-for the protected side; `max_grad_diff` is in bf16 units of gradients of magnitude ~1e3.
+Reading the matmul table: "fwd+bwd" is `value_and_grad` of sum(y * g), so both sides run all three
+GEMMs (forward, dx, dw), as a training step does; TFLOP/s counts those three. `max_grad_diff` is the
+largest gradient difference between protected and plain (0: identical bf16 gradients).
+
+Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
+shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;
+"coverage" flips one random bit of the f32 accumulator per GEMM (ragged shapes, f32/bf16/f16,
+scales 1e-3..1e3): `above_bound` errors exceed the detection bound, `detected_above` of them were
+detected, and `worst_error_over_bound` is the largest distance of a returned output from the clean
+product, in units of (bound + 2 ulp of the dtype) — at most 1 means every output is within tolerance.
 """
 
 

@@ -6,8 +6,12 @@ Public surface (one place to find every name):
   ops                      gate, bank_checksums, parity, reconstruct, abft_check (+ references)
   FaultPolicy, FaultReport what protected code is told to do, and what it reports
   optim                    fault-aware optimizer wrapper (optax shape)
+  layers                   the framework-neutral layer math (linear, llama_mlp, rms_norm, rope, attention)
+  flax.nnx, flax.linen, equinox   drop-in layers for each framework (import the one you use)
+  protect(model, policy)   convert an existing NNX or Equinox model's stock layers to protected ones
 """
 
+from . import layers as layers
 from . import ops as ops
 from ._aot import compile_ahead as compile_ahead
 from ._native import PlatformInfo as PlatformInfo
@@ -15,5 +19,6 @@ from ._native import has_native as has_native
 from ._native import native_info as native_info
 from .faults import FaultPolicy as FaultPolicy
 from .faults import FaultReport as FaultReport
+from .protect import protect as protect
 
 __version__ = "0.1.0"

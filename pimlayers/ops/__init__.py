@@ -18,6 +18,7 @@ from ._parity import parity as parity
 from ._parity import parity_reference as parity_reference
 from ._parity import reconstruct as reconstruct
 from ._parity import reconstruct_reference as reconstruct_reference
+from ._protected_matmul import protected_bmm as protected_bmm
 from ._protected_matmul import protected_matmul as protected_matmul
 from ._protected_matmul import report_from_tap as report_from_tap
 from ._protected_matmul import zero_tap as zero_tap

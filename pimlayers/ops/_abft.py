@@ -59,26 +59,34 @@ def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
     return bn, (0 if n == 0 else -(-n // bn))
 
 
-def abft_encode(w: Float[Array, "k n"], block_n: int | None = None) -> WeightChecksums:
-    """Encode w's checksum columns (in f32; the writer of w calls this, "encode on write")."""
-    if w.ndim != 2:
-        raise ValueError(f"pimlayers.abft_encode: w has shape {tuple(w.shape)}; expected (K, N)")
-    k, n = w.shape
+def abft_encode(w: Float[Array, "*g k n"], block_n: int | None = None) -> WeightChecksums:
+    """Encode w's checksum columns (in f32; the writer of w calls this, "encode on write").
+
+    Leading axes of w (a batch of matrices, e.g. attention's keys per head) carry over to the sums.
+    """
+    if w.ndim < 2:
+        raise ValueError(f"pimlayers.abft_encode: w has shape {tuple(w.shape)}; expected (..., K, N)")
+    *g, k, n = w.shape
     bn, nb = _blocks(n, block_n)
-    wf = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, nb * bn - n))).reshape(k, nb, bn)
-    pos = jnp.arange(1, bn + 1, dtype=jnp.float32)
-    sums = jnp.stack([wf.sum(-1), (wf * pos[None, None, :]).sum(-1)], axis=-1)
+    pad = [(0, 0)] * (w.ndim - 1) + [(0, nb * bn - n)]
+    wf = jnp.pad(w.astype(jnp.float32), pad).reshape(*g, k, nb, bn)
+    lead = (1,) * (w.ndim - 1)  # explicit broadcasting (rank promotion may be set to raise)
+    pos = jnp.arange(1, bn + 1, dtype=jnp.float32).reshape(*lead, 1, bn)
+    sums = jnp.stack([wf.sum(-1), (wf * pos).sum(-1)], axis=-1)
     return WeightChecksums(sums, jnp.abs(wf).sum(-1))
 
 
 def abft_checks(
     x: Float[Array, "*m k"], enc: WeightChecksums
 ) -> tuple[Float[Array, "*m nb 2"], Float[Array, "*m nb"]]:
-    """The checks of y = x @ w from w's checksum columns: ``(c, mag)`` in f32 at HIGHEST precision."""
-    k, nb = enc.abs_sums.shape
+    """The checks of y = x @ w from w's checksum columns: ``(c, mag)`` in f32 at HIGHEST precision.
+
+    For a batch of weights (sums (*g, K, nb, 2)), x is (*g, R, K): matmul's batch broadcasting.
+    """
+    *g, k, nb = enc.abs_sums.shape
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
-    c = jnp.matmul(xf, enc.sums.reshape(k, nb * 2), precision=hi).reshape(*x.shape[:-1], nb, 2)
+    c = jnp.matmul(xf, enc.sums.reshape(*g, k, nb * 2), precision=hi).reshape(*x.shape[:-1], nb, 2)
     mag = jnp.matmul(jnp.abs(xf), enc.abs_sums, precision=hi)
     return c, mag
 

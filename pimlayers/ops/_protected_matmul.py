@@ -32,7 +32,7 @@ from ._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums, abft_check, a
 from ._common import check_float
 from ._gate import gate
 
-__all__ = ["REPORT_FIELDS", "protected_matmul", "report_from_tap", "zero_tap"]
+__all__ = ["REPORT_FIELDS", "protected_bmm", "protected_matmul", "report_from_tap", "zero_tap"]
 
 REPORT_FIELDS = tuple(FaultReport.zeros().to_dict().keys())
 
@@ -53,22 +53,29 @@ def _to_tap(r: FaultReport) -> jax.Array:
 
 
 def _dot(a, b, precision):
+    """(G, R, K) @ (G, K, N) -> (G, R, N) in f32 (bf16/f16 products are exact in f32)."""
     return lax.dot_general(
-        a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        a, b, (((2,), (1,)), ((0,), (0,))), precision=precision, preferred_element_type=jnp.float32
     )
 
 
 def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl):
-    """(R, K) @ (K, N) -> (f32 (R, N), FaultReport), per the policy."""
-    y = inject_gemm_faults(_dot(a, b, precision), faults)
+    """(G, R, K) @ (G, K, N) -> (f32 (G, R, N), FaultReport), per the policy.
+
+    G independent GEMMs (1 for a layer's matmul; batch x heads for attention) share one slow path:
+    the recompute runs when any of them has an error it could not locate, so the branch predicate
+    is one scalar and stays a real branch (a per-GEMM predicate would turn into a select under vmap).
+    """
+    g, r, n = a.shape[0], a.shape[1], b.shape[2]
+    y = inject_gemm_faults(_dot(a, b, precision).reshape(g * r, n), faults).reshape(g, r, n)
     report = FaultReport.zeros()
     if policy.enabled:
-        kw = dict(k=a.shape[1], block_n=policy.block_n, lam=policy.lam, impl=impl)
+        kw = dict(k=a.shape[2], block_n=policy.block_n, lam=policy.lam, impl=impl)
         c, mag = abft_checks(a, enc)
         y, flags = abft_check(y, c, mag, correct=policy.corrects, **kw)
         in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
-        detected = (in_place + pending > 0).astype(jnp.int32)
+        detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
         recomputed = jnp.int32(0)
         if policy.corrects and policy.recompute:
 
@@ -76,13 +83,13 @@ def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, preci
                 # The barrier keeps XLA from reusing the first product: this is a real recompute.
                 a2, b2 = lax.optimization_barrier((a, b))
                 y2, flags2 = abft_check(_dot(a2, b2, precision), c, mag, correct=True, **kw)
-                return y2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(1)
+                return y2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(g)
 
             y, still, recomputed = lax.cond(pending > 0, slow, lambda y_ok: (y_ok, pending, jnp.int32(0)), y)
         else:
             still = pending
         report = FaultReport(
-            gemm_checked=1,
+            gemm_checked=g,
             gemm_detected=detected,
             gemm_corrected=in_place + (pending - still),
             gemm_recomputed=recomputed,
@@ -95,36 +102,50 @@ def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, preci
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _pmm(x2, w, enc, faults, tap, policy, precision, impl):
+def _pmm(a, b, enc, faults, tap, policy, precision, impl):
     del tap
     fwd_faults = None if faults is None else faults[0]
-    return _checked_gemm(x2, w, enc, policy, fwd_faults, precision, impl)
+    return _checked_gemm(a, b, enc, policy, fwd_faults, precision, impl)
 
 
-def _pmm_fwd(x2, w, enc, faults, tap, policy, precision, impl):
-    out = _pmm(x2, w, enc, faults, tap, policy, precision, impl)
-    return out, (x2, w, enc, faults)
+def _pmm_fwd(a, b, enc, faults, tap, policy, precision, impl):
+    out = _pmm(a, b, enc, faults, tap, policy, precision, impl)
+    return out, (a, b, enc, faults)
 
 
 def _pmm_bwd(policy, precision, impl, res, cts):
-    x2, w, enc, faults = res
+    a, b, enc, faults = res
     dy, _ = cts
-    dy = dy.astype(jnp.float32)
-    f_dx = f_dw = None
+    # The backward GEMMs run on the operands' own dtype with f32 accumulation, as the forward does:
+    # bf16 x bf16 products are exact in f32, so the f32 bound holds, and the tensor cores run at
+    # bf16 rate (casting to f32 first would run a TF32 or f32 GEMM several times slower).
+    dy = dy.astype(jnp.result_type(a.dtype, b.dtype))
+    f_da = f_db = None
     if faults is not None:
-        f_dx, f_dw = faults[1], faults[2]
-    wt = w.T.astype(jnp.float32)
-    dx, r_dx = _checked_gemm(dy, wt, abft_encode(wt, policy.block_n), policy, f_dx, precision, impl)
-    xt = x2.T.astype(jnp.float32)
-    dw, r_dw = _checked_gemm(xt, dy, abft_encode(dy, policy.block_n), policy, f_dw, precision, impl)
+        f_da, f_db = faults[1], faults[2]
+    bt = jnp.swapaxes(b, 1, 2).astype(dy.dtype)
+    da, r_da = _checked_gemm(dy, bt, _encode(bt, policy), policy, f_da, precision, impl)
+    at = jnp.swapaxes(a, 1, 2).astype(dy.dtype)
+    db, r_db = _checked_gemm(at, dy, _encode(dy, policy), policy, f_db, precision, impl)
     zeros_enc = jax.tree.map(jnp.zeros_like, enc)
     no_faults = (
-        None if faults is None else jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), faults)
+        None if faults is None else jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
     )
-    return dx.astype(x2.dtype), dw.astype(w.dtype), zeros_enc, no_faults, _to_tap(r_dx + r_dw)
+    return da.astype(a.dtype), db.astype(b.dtype), zeros_enc, no_faults, _to_tap(r_da + r_db)
 
 
 _pmm.defvjp(_pmm_fwd, _pmm_bwd)
+
+
+def _prepare(policy, operands, precision, faults, tap):
+    policy = FaultPolicy() if policy is None else policy
+    if precision is None:
+        precision = lax.Precision.HIGHEST if operands == jnp.float32 else lax.Precision.DEFAULT
+    if isinstance(faults, GemmFaults):
+        faults = (faults, None, None)
+    if faults is not None:
+        faults = tuple(GemmFaults.none() if f is None else f for f in faults)
+    return policy, precision, faults, zero_tap() if tap is None else tap
 
 
 def protected_matmul(
@@ -151,7 +172,6 @@ def protected_matmul(
       tap: ``zero_tap()``; its gradient is the backward pass's report (``report_from_tap``).
       precision: matmul precision; default HIGHEST for f32 inputs, DEFAULT otherwise.
     """
-    policy = FaultPolicy() if policy is None else policy
     check_float("protected_matmul", "x", x)
     check_float("protected_matmul", "w", w)
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
@@ -161,6 +181,7 @@ def protected_matmul(
         )
     k, n = w.shape
     out_dtype = jnp.result_type(x.dtype, w.dtype)
+    policy, precision, faults, tap = _prepare(policy, out_dtype, precision, faults, tap)
     if enc is None:
         enc = abft_encode(w, policy.block_n)
     nb = 0 if n == 0 else -(-n // (n if policy.block_n is None else policy.block_n))
@@ -170,14 +191,54 @@ def protected_matmul(
             f"{tuple(enc.abs_sums.shape)}; expected ({k}, {nb}, 2) / ({k}, {nb}) — re-encode w with "
             f"abft_encode(w, block_n={policy.block_n})"
         )
-    if precision is None:
-        precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else lax.Precision.DEFAULT
-    if isinstance(faults, GemmFaults):
-        faults = (faults, None, None)
-    if faults is not None:
-        faults = tuple(GemmFaults.none() if f is None else f for f in faults)
-    tap = zero_tap() if tap is None else tap
     with jax.named_scope("pimlayers.protected_matmul"):
-        x2 = x.reshape(-1, k)
-        y, report = _pmm(x2, w, enc, faults, tap, policy, precision, impl)
+        enc1 = WeightChecksums(enc.sums[None], enc.abs_sums[None])
+        y, report = _pmm(x.reshape(1, -1, k), w[None], enc1, faults, tap, policy, precision, impl)
     return y.astype(out_dtype).reshape(*x.shape[:-1], n), report
+
+
+def protected_bmm(
+    a,
+    b,
+    *,
+    policy: FaultPolicy | None = None,
+    faults: tuple[GemmFaults | None, GemmFaults | None, GemmFaults | None] | GemmFaults | None = None,
+    tap: jax.Array | None = None,
+    precision=None,
+    out_dtype=None,
+    impl: str = "auto",
+):
+    """Batched ``a @ b`` (same leading axes), every matrix product verified. Returns ``(y, report)``.
+
+    For products whose right operand is data rather than a stored weight (attention's q·kᵀ and p·v):
+    b's checksum columns are encoded on the fly. a: (*B, R, K), b: (*B, K, N) -> y: (*B, R, N).
+    Injected fault sites index the output flattened to (prod(B)·R, N). The report counts prod(B)
+    GEMMs; one recompute (if needed) redoes all of them. ``out_dtype`` (default: the operands'
+    result type) lets attention keep its scores in float32 for the softmax.
+    """
+    check_float("protected_bmm", "a", a)
+    check_float("protected_bmm", "b", b)
+    if a.ndim < 2 or b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"pimlayers.protected_bmm: a {tuple(a.shape)} @ b {tuple(b.shape)}; expected a (*B, R, K) and "
+            f"b (*B, K, N) with the same leading axes B and the same K"
+        )
+    *lead, r, k = a.shape
+    n = b.shape[-1]
+    operands = jnp.result_type(a.dtype, b.dtype)
+    out_dtype = operands if out_dtype is None else out_dtype
+    policy, precision, faults, tap = _prepare(policy, operands, precision, faults, tap)
+    g = int(np.prod(lead, dtype=np.int64))
+    a3, b3 = a.reshape(g, r, k), b.reshape(g, k, n)
+    with jax.named_scope("pimlayers.protected_bmm"):
+        enc = _encode(b3, policy)
+        y, report = _pmm(a3, b3, enc, faults, tap, policy, precision, impl)
+    return y.astype(out_dtype).reshape(*lead, r, n), report
+
+
+def _encode(b, policy: FaultPolicy) -> WeightChecksums:
+    """On-the-fly checksum columns of a (G, K, N) operand; mode "off" reads none, so skip the pass."""
+    if policy.enabled:
+        return abft_encode(b, policy.block_n)
+    g, k = b.shape[0], b.shape[1]
+    return WeightChecksums(jnp.zeros((g, k, 0, 2), jnp.float32), jnp.zeros((g, k, 0), jnp.float32))

@@ -1,0 +1,72 @@
+"""Dense / Linear: ``y = x @ kernel + bias``, each GEMM verified per the policy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from ..faults import FaultPolicy, FaultReport
+from ..ops import gate, protected_matmul
+from ._common import check_features, policy_or_default, promote, stock
+
+__all__ = ["linear"]
+
+
+def linear(
+    x: Float[Array, "*b i"],
+    kernel: Float[Array, "i o"],
+    bias: Float[Array, " o"] | None = None,
+    *,
+    policy: FaultPolicy | None = None,
+    dtype=None,
+    precision=None,
+    layout: str = "io",
+    faults=None,
+    tap: jax.Array | None = None,
+    name: str = "pimlayers.Linear",
+) -> tuple[Float[Array, "*b o"], FaultReport]:
+    """A dense layer as Flax (``layout="io"``: kernel (in, out)) or Equinox (``"oi"``: weight (out, in),
+    ``weight @ x`` on one example) computes it; ``(y, report)``.
+
+    Mode "off" without gates reproduces the stock layer's arithmetic exactly. Otherwise the product
+    is a :func:`pimlayers.ops.protected_matmul` (f32 accumulation, checked before rounding to
+    ``dtype``) and the bias is added after rounding, as the stock layers add it. ``faults`` and
+    ``tap`` reach the protected GEMM (injection for tests and demos; the backward pass's report).
+    """
+    if layout not in ("io", "oi"):
+        raise ValueError(
+            f"{name}: layout must be 'io' (Flax kernel) or 'oi' (Equinox weight); got {layout!r}"
+        )
+    policy = policy_or_default(policy)
+    n_in = kernel.shape[0] if layout == "io" else kernel.shape[1]
+    check_features(name, x, n_in)
+    with jax.named_scope(name):
+        if layout == "io":  # Flax promotes inputs, kernel and bias to one dtype first.
+            x, kernel, bias = promote(x, kernel, bias, dtype=dtype)
+        if stock(policy):
+            if layout == "io":
+                y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+            else:
+                y = kernel @ x if x.ndim == 1 else x @ kernel.T
+            if bias is not None:
+                y = y + _row(bias, y.ndim)
+            return y, FaultReport.zeros()
+        w = kernel if layout == "io" else kernel.T
+        if not policy.enabled:  # mode "off" with gates: plain product, gated below
+            y = jnp.matmul(x, w, precision=precision, preferred_element_type=jnp.float32).astype(w.dtype)
+            report = FaultReport.zeros()
+        else:
+            y, report = protected_matmul(x, w, policy=policy, faults=faults, tap=tap, precision=precision)
+        if bias is not None:
+            y = y + _row(bias.astype(y.dtype), y.ndim)
+        if policy.gate and not policy.enabled:
+            y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
+            report = report + FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
+        return y, report
+
+
+def _row(bias, ndim: int):
+    # Explicit broadcasting, as flax.nnx.Linear writes it (works under rank promotion "raise").
+    return jnp.reshape(bias, (1,) * (ndim - 1) + (-1,))

@@ -1,0 +1,11 @@
+"""The benchmark suites' own checks run (tiny sizes): a broken campaign must not wait for the GPU."""
+
+from benchmarks import abft_campaign
+
+
+def test_abft_campaign_quick_has_no_false_positive_and_misses_nothing():
+    fp, cov = abft_campaign.run(quick=True)
+    assert fp["gemms"] > 0 and fp["detected"] == 0
+    assert cov["injections"] > 0 and cov["detected_above"] == cov["above_bound"]
+    assert cov["uncorrectable"] == 0
+    assert cov["worst_error_over_bound"] <= 1.0
