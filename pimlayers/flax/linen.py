@@ -8,6 +8,7 @@ optional ``fault_sites`` collection (``{"fault_sites": {<module path>: {"gemm": 
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 
 import jax
@@ -26,6 +27,14 @@ default_bias_init = nn.initializers.zeros_init()
 def _sow(module: nn.Module, report: FaultReport) -> None:
     # Summed, not appended: a module called twice in one apply reports both calls.
     module.sow("fault_report", "report", report, init_fn=FaultReport.zeros, reduce_fn=lambda a, b: a + b)
+
+
+def _kernel(module: nn.Module, name: str, shape: tuple[int, ...]) -> jax.Array:
+    # A bias-free projection's weight under params/<name>/kernel, where a stock Dense would keep it.
+    def init(key, s, dtype):
+        return {"kernel": module.kernel_init(key, s, dtype)}
+
+    return module.param(name, init, shape, module.param_dtype)["kernel"]
 
 
 def _sites(module: nn.Module):
@@ -99,12 +108,8 @@ class LlamaMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        def kernel(name, shape):
-            return self.param(
-                name, lambda k, s, d: {"kernel": self.kernel_init(k, s, d)}, shape, self.param_dtype
-            )["kernel"]
-
         e, f = self.features, self.hidden_features
+        kernel = functools.partial(_kernel, self)
         y, report = L.llama_mlp(
             x, kernel("gate_proj", (e, f)), kernel("up_proj", (e, f)), kernel("down_proj", (f, e)),
             policy=self.policy, dtype=self.dtype, faults=_sites(self), name="pimlayers.flax.linen.LlamaMLP",
@@ -131,11 +136,7 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array | None = None, cache: L.KVCache | None = None):
         hd = self.features // self.num_heads if self.head_dim is None else self.head_dim
         e, h, kv = self.features, self.num_heads, self.num_kv_heads
-
-        def kernel(name, shape):
-            return self.param(
-                name, lambda k, s, d: {"kernel": self.kernel_init(k, s, d)}, shape, self.param_dtype
-            )["kernel"]
+        kernel = functools.partial(_kernel, self)
 
         y, new_cache, report = L.gqa_attention(
             x, kernel("q_proj", (e, h * hd)), kernel("k_proj", (e, kv * hd)), kernel("v_proj", (e, kv * hd)),
