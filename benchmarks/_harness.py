@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -61,4 +62,6 @@ def write_result(suite: str, rows: list[dict[str, Any]], command: str) -> pathli
 
 
 def command_line() -> str:
-    return "python -m benchmarks.run " + " ".join(sys.argv[1:])
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = f"XLA_FLAGS={flags} " if "device_count" in flags else ""
+    return env + "python -m benchmarks.run " + " ".join(sys.argv[1:])

@@ -24,6 +24,19 @@ shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and coun
 scales 1e-3..1e3): `above_bound` errors exceed the detection bound, `detected_above` of them were
 detected, and `worst_error_over_bound` is the largest distance of a returned output from the clean
 product, in units of (bound + 2 ulp of the dtype) — at most 1 means every output is within tolerance.
+
+Reading the memory table: the parameters are four Llama-3-8B decoder layers' weights in bf16 (1.75 GB)
+in a `PimStore` with the H200 geometry (4 KiB stripes, parity groups of 8). `vs_copy`, `vs_read` and
+`vs_datasheet` relate the scrub's bandwidth to the device copy (read + write) and to a read-only XLA
+reduction over the same bytes, both measured in the same run, and to the H200's 4.8 TB/s.
+`vs_one_read` / `extra_reads` express encode's cost in units of that one read. "train step + scrub"
+times ten steps (fwd+bwd through the MLP weights, M = 4096) with a scrub dispatched after every step
+or every tenth, against the steps alone. The gemv rows run distinct weight copies (>= 512 MB in all,
+at most 64) per program (as decoding walks through layers) and give the time per GEMV; `ratio` =
+plain / banked kernel;
+`aquabolt_x6_est_ms` is the Aquabolt-XL HBM-PIM model's estimate for six cubes
+(`pimlayers.memory.pim_timing`), `est_vs_gpu` = measured plain GEMV / estimate (> 1: the model says
+PIM would be faster). The shard table runs on simulated CPU devices (one mesh axis over all of them).
 """
 
 

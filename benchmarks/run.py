@@ -2,20 +2,24 @@
 
 python -m benchmarks.run                 # every suite, on the default JAX device
 python -m benchmarks.run --suite ops --size-mb 256
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite shard   # 8 CPU devices
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import abft_campaign, matmul, ops
+import jax
+
+from . import abft_campaign, matmul, memory, ops
 from ._harness import command_line, device_name, write_result
 from .report import render
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["ops", "matmul", "abft", "all"], default="all")
+    suites = ["ops", "matmul", "abft", "memory", "pim", "shard", "all"]
+    ap.add_argument("--suite", choices=suites, default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
     args = ap.parse_args()
     print(f"device: {device_name()}")
@@ -26,9 +30,18 @@ def main() -> None:
             extra = f"  peer {r['peer_ms']:.3f} ms  ratio {r['ratio']:.2f}x" if "peer" in r else ""
             print(f"{r['op']:<42} {r['ms']:9.3f} ms {r['gbs']:9.1f} GB/s{extra}")
         print(f"wrote {path}")
-    for name, suite in (("matmul", matmul), ("abft", abft_campaign)):
+    for name, run in (
+        ("matmul", matmul.run),
+        ("abft", abft_campaign.run),
+        ("memory", memory.run_store),
+        ("pim", memory.run_pim),
+        ("shard", memory.run_shard),
+    ):
         if args.suite in (name, "all"):
-            rows = suite.run()
+            rows = run()
+            if not rows:
+                print(f"{name}: nothing to run on {len(jax.devices())} device(s)")
+                continue
             path = write_result(name, rows, command_line())
             for r in rows:
                 print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))

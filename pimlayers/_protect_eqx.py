@@ -23,8 +23,9 @@ def _convert(node, policy: FaultPolicy, log: list):
     if type(node) is eqx.nn.Linear and "scalar" not in (node.in_features, node.out_features):
         log.append(("Linear", True))
         return _build(
-            peqx.Linear, weight=node.weight, bias=node.bias, faults=None, in_features=node.in_features,
-            out_features=node.out_features, use_bias=node.use_bias, policy=policy,
+            peqx.Linear, weight=node.weight, bias=node.bias, faults=None, pim=None, bank_ok=None,
+            in_features=node.in_features, out_features=node.out_features, use_bias=node.use_bias,
+            policy=policy, backend="xla",
         )  # fmt: skip
     if type(node) is eqx.nn.RMSNorm and len(node.shape) == 1:
         log.append(("RMSNorm", True))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pimlayers.memory import BankGeometry
+
 RAGGED_SHAPES = [(), (1,), (7,), (129,), (4097,), (0,), (3, 0), (2, 7), (3, 129), (2, 3, 5), (2, 1, 3, 7)]
 
 
@@ -27,3 +29,16 @@ class TraceCounter:
     def __call__(self, *args, **kwargs):
         self.count += 1
         return self.fn(*args, **kwargs)
+
+
+# 16 banks, 256-byte stripes, groups of 4: small enough that every test leaf spans several groups and
+# rows of the address map.
+SMALL_GEOMETRY = BankGeometry(
+    stacks=2,
+    pseudo_channels=2,
+    bank_groups=2,
+    banks_per_group=2,
+    stripe_bytes=256,
+    group=4,
+    bank_bytes=1 << 20,
+)

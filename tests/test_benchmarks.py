@@ -9,3 +9,13 @@ def test_abft_campaign_quick_has_no_false_positive_and_misses_nothing():
     assert cov["injections"] > 0 and cov["detected_above"] == cov["above_bound"]
     assert cov["uncorrectable"] == 0
     assert cov["worst_error_over_bound"] <= 1.0
+
+
+def test_memory_suite_quick_runs_and_repairs():
+    from benchmarks import memory
+
+    rows = {r["op"]: r for r in memory.run(quick=True)}
+    bank = rows["repair one failed bank"]
+    assert bank["stripes_rebuilt"] > 0 and bank["in_place"]
+    assert rows["scrub (verify every stripe + parity)"]["gbs"] > 0
+    assert any(op.startswith("gemv") for op in rows)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from .. import layers as L
 from ..faults import FaultPolicy, FaultReport
+from ..ops import pim_pack
 
 
 def _uniform(key, shape, dtype, lim):
@@ -23,18 +24,28 @@ def _float_dtype(dtype):
 
 
 class Linear(eqx.Module):
-    """``equinox.nn.Linear`` with a verified GEMM: weight (out, in), bias (out,)."""
+    """``equinox.nn.Linear`` with a verified GEMM: weight (out, in), bias (out,).
+
+    ``backend="pim"`` (inference) keeps the weight packed over ``pim_banks`` banks plus a checksum
+    bank in ``pim`` and a bank-health mask ``bank_ok`` (int32, 0 = failed); after changing the weight,
+    ``layer.repack()`` returns the layer with a fresh packing (encode on write).
+    """
 
     weight: jax.Array
     bias: jax.Array | None
     faults: tp.Any = None  # GemmFaults (or a forward/dx/dw triple) to inject; None: none
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
-    policy: FaultPolicy = eqx.field(static=True)
+    pim: tp.Any = None  # ops.PimWeights for backend "pim"
+    bank_ok: jax.Array | None = None
+    in_features: int = eqx.field(static=True, default=0)
+    out_features: int = eqx.field(static=True, default=0)
+    use_bias: bool = eqx.field(static=True, default=True)
+    policy: FaultPolicy = eqx.field(static=True, default=None)
+    backend: str = eqx.field(static=True, default="xla")
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True, dtype=None, *, key,
-                 policy: FaultPolicy | None = None):  # fmt: skip
+                 policy: FaultPolicy | None = None, backend: str = "xla", pim_banks: int = 16):  # fmt: skip
+        if backend not in ("xla", "pim"):
+            raise ValueError(f"pimlayers.equinox.Linear: backend={backend!r}; expected 'xla' or 'pim'")
         dtype = _float_dtype(dtype)
         wkey, bkey = jax.random.split(key, 2)
         lim = 1.0 if in_features == 0 else 1 / math.sqrt(in_features)
@@ -43,6 +54,14 @@ class Linear(eqx.Module):
         self.faults = None
         self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
         self.policy = FaultPolicy() if policy is None else policy
+        self.backend = backend
+        self.pim = pim_pack(self.weight.T, pim_banks) if backend == "pim" else None
+        self.bank_ok = jnp.ones((pim_banks,), jnp.int32) if backend == "pim" else None
+
+    def repack(self) -> Linear:
+        """This layer with its "pim" packing recomputed from the current weight."""
+        banks = self.pim.w.shape[0]
+        return eqx.tree_at(lambda m: m.pim, self, pim_pack(self.weight.T, banks))
 
     def with_report(self, x: jax.Array, *, key=None, tap=None) -> tuple[jax.Array, FaultReport]:
         del key
@@ -54,7 +73,7 @@ class Linear(eqx.Module):
             )
         return L.linear(
             x, self.weight, self.bias, policy=self.policy, layout="oi", faults=self.faults, tap=tap,
-            name="pimlayers.equinox.Linear",
+            name="pimlayers.equinox.Linear", backend=self.backend, pim=self.pim, bank_ok=self.bank_ok,
         )  # fmt: skip
 
     def __call__(self, x: jax.Array, *, key=None) -> jax.Array:

@@ -20,16 +20,18 @@ from flax.nnx import initializers
 
 from .. import layers as L
 from ..faults import FaultPolicy, FaultReport
-from ..ops import report_from_tap, zero_tap
+from ..ops import pim_pack, report_from_tap, zero_tap
 
 __all__ = [
     "Attention",
+    "BankHealth",
     "FaultReportVar",
     "FaultSites",
     "FaultTap",
     "Linear",
     "LinearGeneral",
     "LlamaMLP",
+    "PimPacked",
     "ProtectedAttentionFn",
     "RMSNorm",
     "backward_report",
@@ -74,8 +76,21 @@ class _Protected(nnx.Module):
         self.fault_report.set_value(report)
 
 
+class PimPacked(nnx.Variable):
+    """The kernel packed for the "pim" backend (bank-major + checksum bank); not a trainable Param."""
+
+
+class BankHealth(nnx.Variable):
+    """int32 per PIM bank: 1 healthy, 0 failed (data: changing it never recompiles)."""
+
+
 class Linear(_Protected):
-    """``flax.nnx.Linear`` with verified GEMMs: kernel (in, out), bias (out,)."""
+    """``flax.nnx.Linear`` with verified GEMMs: kernel (in, out), bias (out,).
+
+    ``backend="pim"`` (an inference backend) also keeps the kernel packed over ``pim_banks`` banks
+    plus a checksum bank (`PimPacked`, refreshed by `repack()` after the kernel changes) and a
+    `BankHealth` mask; a failed bank's slice of the output is rebuilt from the checksum bank.
+    """
 
     def __init__(
         self,
@@ -89,22 +104,37 @@ class Linear(_Protected):
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         policy: FaultPolicy | None = None,
+        backend: str = "xla",
+        pim_banks: int = 16,
         rngs: nnx.Rngs,
     ):
+        if backend not in ("xla", "pim"):
+            raise ValueError(f"pimlayers.flax.nnx.Linear: backend={backend!r}; expected 'xla' or 'pim'")
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = (
             nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
         )
         self.in_features, self.out_features, self.use_bias = in_features, out_features, use_bias
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.backend, self.pim_banks = backend, pim_banks
+        if backend == "pim":
+            self.pim = PimPacked(pim_pack(self.kernel[...], pim_banks))
+            self.bank_ok = BankHealth(jnp.ones((pim_banks,), jnp.int32))
         self._init_faults(policy)
+
+    def repack(self) -> None:
+        """Re-pack the kernel for the "pim" backend (encode on write: after every kernel update)."""
+        self.pim.set_value(pim_pack(self.kernel[...], self.pim_banks))
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         _no_out_sharding(out_sharding)
         bias = None if self.bias is None else self.bias[...]
+        pim = self.pim.get_value() if self.backend == "pim" else None
+        bank_ok = self.bank_ok[...] if self.backend == "pim" else None
         y, report = L.linear(
             inputs, self.kernel[...], bias, policy=self.policy, dtype=self.dtype, precision=self.precision,
             faults=self.fault_sites.get_value(), tap=self.fault_tap[...], name="pimlayers.flax.nnx.Linear",
+            backend=self.backend, pim=pim, bank_ok=bank_ok,
         )  # fmt: skip
         self._record(report)
         return y

@@ -8,7 +8,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from ..faults import FaultPolicy, FaultReport
-from ..ops import gate, protected_matmul
+from ..ops import PimWeights, gate, pim_linear, protected_matmul
 from ._common import check_features, policy_or_default, promote, stock
 
 __all__ = ["linear"]
@@ -26,6 +26,9 @@ def linear(
     faults=None,
     tap: jax.Array | None = None,
     name: str = "pimlayers.Linear",
+    backend: str = "xla",
+    pim: PimWeights | None = None,
+    bank_ok: jax.Array | None = None,
 ) -> tuple[Float[Array, "*b o"], FaultReport]:
     """A dense layer as Flax (``layout="io"``: kernel (in, out)) or Equinox (``"oi"``: weight (out, in),
     ``weight @ x`` on one example) computes it; ``(y, report)``.
@@ -34,7 +37,13 @@ def linear(
     is a :func:`pimlayers.ops.protected_matmul` (f32 accumulation, checked before rounding to
     ``dtype``) and the bias is added after rounding, as the stock layers add it. ``faults`` and
     ``tap`` reach the protected GEMM (injection for tests and demos; the backward pass's report).
+
+    ``backend="pim"`` runs the product as the banked GEMV of :func:`pimlayers.ops.pim_linear` on
+    ``pim`` (the kernel packed by ``ops.pim_pack``; the front ends keep it next to the kernel), with
+    ``bank_ok`` (int32 per bank, 0 = failed) as data; an inference backend (no gradient to ``pim``).
     """
+    if backend not in ("xla", "pim"):
+        raise ValueError(f"{name}: backend={backend!r}; expected 'xla' or 'pim'")
     if layout not in ("io", "oi"):
         raise ValueError(
             f"{name}: layout must be 'io' (Flax kernel) or 'oi' (Equinox weight); got {layout!r}"
@@ -45,6 +54,15 @@ def linear(
     with jax.named_scope(name):
         if layout == "io":  # Flax promotes inputs, kernel and bias to one dtype first.
             x, kernel, bias = promote(x, kernel, bias, dtype=dtype)
+        if backend == "pim":
+            if pim is None:
+                raise ValueError(f"{name}: backend='pim' needs the packed kernel (pim=ops.pim_pack(...))")
+            # The packed copy keeps the kernel's storage dtype; the output takes the layer's.
+            y, report = pim_linear(x.astype(pim.w.dtype), pim, bank_ok)
+            y = y.astype(x.dtype)
+            if bias is not None:
+                y = y + _row(bias.astype(y.dtype), y.ndim)
+            return y, report
         if stock(policy):
             if layout == "io":
                 y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)

@@ -1,4 +1,5 @@
-"""Native ops with pure-JAX twins: the insulation gate, bank checksums, parity, ABFT checks."""
+"""Native ops with pure-JAX twins: the insulation gate, bank checksums, parity, ABFT checks, the
+banked (PIM) GEMV."""
 
 from ._abft import ABFT_CLEAN as ABFT_CLEAN
 from ._abft import ABFT_CORRECTED as ABFT_CORRECTED
@@ -18,6 +19,11 @@ from ._parity import parity as parity
 from ._parity import parity_reference as parity_reference
 from ._parity import reconstruct as reconstruct
 from ._parity import reconstruct_reference as reconstruct_reference
+from ._pim import PimWeights as PimWeights
+from ._pim import pim_gemv as pim_gemv
+from ._pim import pim_gemv_reference as pim_gemv_reference
+from ._pim import pim_linear as pim_linear
+from ._pim import pim_pack as pim_pack
 from ._protected_matmul import protected_bmm as protected_bmm
 from ._protected_matmul import protected_matmul as protected_matmul
 from ._protected_matmul import report_from_tap as report_from_tap

@@ -1,0 +1,310 @@
+"""PimStore on one device: scrub bandwidth, encode-on-write cost, repair latency, background scrub,
+and the "pim" backend's banked GEMV against the plain GEMV (with the HBM-PIM timing model).
+
+Parameters are the weights of Llama-3-8B decoder layers (bf16, dim 4096, FFN 14336, 8 KV heads),
+protected with the default H200 geometry (4 KiB stripes, parity groups of 8). Peers, measured in the
+same run: the device copy (read + write every byte) and a read-only XLA reduction over the same bytes;
+the H200 datasheet's 4.8 TB/s is printed beside them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimlayers import faults, ops
+from pimlayers.memory import BankGeometry, PimStore, PimTiming
+
+from ._harness import time_fn
+
+DATASHEET_TBS = 4.8  # NVIDIA H200: 4.8 TB/s HBM3e
+DIM, FFN, KV = 4096, 14336, 1024
+
+
+def _layer(key, dims, dtype=jnp.bfloat16):
+    d, f, kv = dims
+    shapes = {
+        "q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d),
+        "gate": (d, f), "up": (d, f), "down": (f, d), "norm1": (d,), "norm2": (d,),
+    }  # fmt: skip
+    keys = jax.random.split(key, len(shapes))
+    return {
+        n: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+        for (n, s), k in zip(shapes.items(), keys, strict=True)
+    }
+
+
+def _params(layers: int, dims):
+    return {f"layer{i}": _layer(jax.random.key(i), dims) for i in range(layers)}
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _once(fn, prepare, repeats: int = 5) -> float:
+    """Median seconds of single calls of fn(*prepare()) (prepare runs outside the timed region)."""
+    samples = []
+    for _ in range(repeats):
+        args = prepare()
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]:
+    rows: list[dict] = []
+    params = _params(layers, dims)
+    nbytes = _nbytes(params)
+    gb = nbytes / 1e9
+    flat = [x.reshape(-1) for x in jax.tree.leaves(params)]
+
+    copy = jax.jit(lambda ps: [jax.lax.bitcast_convert_type(p, jnp.uint16) ^ np.uint16(1) for p in ps])
+    t_copy = time_fn(copy, flat, iters=10)
+    copy_gbs = 2 * nbytes / t_copy / 1e9
+    read = jax.jit(
+        lambda ps: sum(jnp.sum(jax.lax.bitcast_convert_type(p, jnp.uint16), dtype=jnp.uint32) for p in ps)
+    )
+    t_read = time_fn(read, flat, iters=10)
+    read_gbs = nbytes / t_read / 1e9
+    rows.append(dict(op="device copy (XLA, read+write)", gbytes=gb, ms=t_copy * 1e3, gbs=copy_gbs))
+    rows.append(dict(op="one read of the parameters (XLA sum)", gbytes=gb, ms=t_read * 1e3, gbs=read_gbs))
+
+    store = PimStore(params, BankGeometry())
+    state = store.encode(params)
+    over = store.overhead()
+    t_enc = time_fn(store._encode, params, iters=10)
+    rows.append(
+        dict(
+            op="encode (checksums, parity, parity checksums)",
+            gbytes=gb,
+            ms=t_enc * 1e3,
+            gbs=nbytes / t_enc / 1e9,
+            vs_one_read=t_enc / t_read,
+            parity_fraction=over["parity_fraction"],
+        )
+    )
+
+    # Scrub reads the parameters and the parity blocks.
+    scrubbed = nbytes + over["parity_bytes"]
+    t_scrub = time_fn(store._scrub, params, state, iters=10)
+    sc_gbs = scrubbed / t_scrub / 1e9
+    rows.append(
+        dict(
+            op="scrub (verify every stripe + parity)",
+            gbytes=scrubbed / 1e9,
+            ms=t_scrub * 1e3,
+            gbs=sc_gbs,
+            vs_copy=sc_gbs / copy_gbs,
+            vs_read=sc_gbs / read_gbs,
+            vs_datasheet=sc_gbs / (DATASHEET_TBS * 1e3),
+        )
+    )
+
+    # Encode on write inside the update: new = p + u, then encode, against the plain update.
+    upd = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    plain = jax.jit(lambda p, u: jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u))
+    fused = jax.jit(store.apply_updates)
+    t_plain, t_fused = time_fn(plain, params, upd, iters=10), time_fn(fused, params, upd, iters=10)
+    rows.append(
+        dict(
+            op="update + encode vs update",
+            gbytes=gb,
+            ms=t_fused * 1e3,
+            peer_ms=t_plain * 1e3,
+            extra_ms=(t_fused - t_plain) * 1e3,
+            extra_reads=(t_fused - t_plain) / t_read,
+        )
+    )
+
+    # Repair: the clean fast path, then one failed physical bank (every stripe it holds).
+    holder = {"p": params, "s": state}
+
+    def clean_prepare():
+        return holder["p"], holder["s"]
+
+    def call(p, s):
+        out = store.repair(p, s)
+        holder["p"], holder["s"] = out.params, out.state
+        return out.report
+
+    t_clean = _once(call, clean_prepare)
+    rows.append(dict(op="repair, nothing faulty (scrub + skip)", gbytes=gb, ms=t_clean * 1e3))
+    reports = []
+
+    def bank_prepare():
+        used = np.unique(store.address_map.stripe_bank(0))  # a bank that holds data
+        faults.fail_bank(
+            store, holder["p"], holder["s"], int(np.random.default_rng(len(reports)).choice(used))
+        )
+        return holder["p"], holder["s"]
+
+    def bank_call(p, s):
+        r = call(p, s)
+        reports.append(r)
+        return r
+
+    ptr = jax.tree.leaves(holder["p"])[0].unsafe_buffer_pointer()
+    t_bank = _once(bank_call, bank_prepare)
+    rep = reports[-1]
+    assert int(rep.banks_uncorrectable) == 0 and int(rep.banks_repaired) > 0
+    in_place = jax.tree.leaves(holder["p"])[0].unsafe_buffer_pointer() == ptr
+    clean = store.scrub(holder["p"], holder["s"])
+    assert int(clean.report.banks_faulty) == 0
+    compiled = store.compiled(holder["p"], holder["s"])
+    rows.append(
+        dict(
+            op="repair one failed bank",
+            gbytes=gb,
+            ms=t_bank * 1e3,
+            stripes_rebuilt=int(rep.banks_repaired),
+            in_place=in_place,
+            temp_mb=compiled["repair"].memory_analysis().temp_size_in_bytes / 1e6,
+            scrub_temp_mb=compiled["scrub"].memory_analysis().temp_size_in_bytes / 1e6,
+        )
+    )
+
+    # Background scrub: a training-like step (fwd+bwd through the MLP weights of every layer, M = 4096)
+    # alone, then with a scrub dispatched after every step and after every 10th.
+    params = holder["p"]
+    state = holder["s"]
+    x = jax.random.normal(jax.random.key(9), (m, dims[0]), jnp.bfloat16)
+
+    def loss(ps, x):
+        h = x
+        for i in range(layers):
+            lp = ps[f"layer{i}"]
+            a = jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])
+            h = h + a @ lp["down"]
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss))
+    t_step = time_fn(step, params, x, iters=10)
+
+    def step_and_scrub(every):
+        def f(ps, x, st):
+            out = None
+            for i in range(10):
+                out = step(ps, x)
+                if i % every == 0:
+                    store._scrub(ps, st)  # dispatched asynchronously, nothing waits on it
+            return out
+
+        return f
+
+    for every in (1, 10):
+        t = time_fn(step_and_scrub(every), params, x, state, warmup=1, iters=2) / 10
+        rows.append(
+            dict(
+                op=f"train step + scrub every {every}",
+                gbytes=gb,
+                ms=t * 1e3,
+                peer_ms=t_step * 1e3,
+                overhead=t / t_step - 1,
+            )
+        )
+    return rows
+
+
+def run_pim(banks: int = 128, dims=(DIM, FFN, KV), stream_mb: int = 512) -> list[dict]:
+    """The banked GEMV (native kernel, checksum bank included) against XLA's plain GEMV, bf16, and
+    the Aquabolt-XL model's estimate for six cubes (one per H200 stack).
+
+    A single GEMV lasts microseconds, less than a dispatch from Python, and a small weight would stay
+    in L2. So each timed program runs C GEMVs over C distinct weight copies (C x weight >= stream_mb,
+    C <= 64), the way decoding walks through layers, and the time is per GEMV.
+    """
+    rows: list[dict] = []
+    model = PimTiming(cubes=6)
+    d, f, kv = dims
+    for k, n in ((d, f), (f, d), (d, d), (d, kv)):
+        wbytes = k * n * 2
+        copies = int(min(64, max(1, -(-stream_mb * 2**20 // wbytes))))
+        keys = jax.random.split(jax.random.key(k + n), copies)
+        ws = [(0.02 * jax.random.normal(kk, (k, n), jnp.float32)).astype(jnp.bfloat16) for kk in keys]
+        packs = [ops.pim_pack(w, banks) for w in ws]
+        plain = jax.jit(lambda x, ws: [jnp.matmul(x, w, preferred_element_type=jnp.float32) for w in ws])
+        pim = jax.jit(lambda x, ps: [ops.pim_linear(x, p, impl="native")[0] for p in ps])
+        for t in (1, 8):
+            x = jax.random.normal(jax.random.key(t), (t, k), jnp.float32).astype(jnp.bfloat16)
+            ref = np.asarray(
+                jnp.matmul(x.astype(jnp.float32), ws[0].astype(jnp.float32), precision="highest")
+            )
+            scale = float(np.abs(ref).max())
+            got = np.asarray(pim(x, packs[:1])[0].astype(jnp.float32))
+            ok = jnp.ones((banks,), jnp.int32).at[3].set(0)
+            one_failed = jax.jit(lambda x, p, o: ops.pim_linear(x, p, o, impl="native")[0])
+            got1 = np.asarray(one_failed(x, packs[0], ok).astype(jnp.float32))
+            if not (np.allclose(got, ref, atol=1e-2 * scale) and np.allclose(got1, ref, atol=1e-2 * scale)):
+                raise AssertionError(f"pim_linear {k}->{n}: wrong result, not timing it")
+            t_plain = time_fn(plain, x, ws, iters=5) / copies
+            t_pim = time_fn(pim, x, packs, iters=5) / copies
+            est = model.gemv_seconds(k, n, tokens=t)
+            rows.append(
+                dict(
+                    op=f"gemv {k}->{n}",
+                    tokens=t,
+                    plain_ms=t_plain * 1e3,
+                    pim_kernel_ms=t_pim * 1e3,
+                    ratio=t_plain / t_pim,
+                    plain_gbs=wbytes / t_plain / 1e9,
+                    pim_kernel_gbs=wbytes * (1 + 2 / banks) / t_pim / 1e9,
+                    aquabolt_x6_est_ms=est["total"] * 1e3,
+                    est_vs_gpu=t_plain / est["total"],
+                )
+            )
+    return rows
+
+
+def run_shard(layers: int = 2, dims=(1024, 3584, 256)) -> list[dict]:
+    """Every device of the default backend as one mesh axis; parameters sharded over it (FSDP style):
+    scrub, one failed bank on one device, and one device's whole shard rebuilt from the others."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        return []
+    mesh = jax.make_mesh((len(devices),), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), _params(layers, dims))
+    gb = _nbytes(params) / 1e9
+    store = PimStore(params, BankGeometry())
+    holder = {"p": params, "s": store.encode(params)}
+    t_scrub = time_fn(store._scrub, holder["p"], holder["s"], iters=5)
+    rows = [dict(op=f"sharded scrub ({len(devices)} devices)", gbytes=gb, ms=t_scrub * 1e3, gbs=gb / t_scrub)]
+
+    def rebuild(p, s, lost):
+        out = store.rebuild_shard(p, s, lost)
+        holder["p"], holder["s"] = out[0], out[1]
+        return out[2]
+
+    def lose():
+        lost = int(np.random.default_rng(len(rows)).integers(len(devices)))
+        faults.lose_shard(store, holder["p"], holder["s"], lost, seed=lost)
+        return holder["p"], holder["s"], lost
+
+    rebuild(*lose())  # compile
+    t_shard = _once(rebuild, lose)
+    rows.append(
+        dict(
+            op=f"rebuild one device's whole shard ({len(devices)} devices)",
+            gbytes=gb / len(devices),
+            ms=t_shard * 1e3,
+            overhead_x=store.overhead()["cross_device_parity_bytes"] / store.overhead()["protected_bytes"],
+        )
+    )
+    assert int(store.scrub(holder["p"], holder["s"]).report.banks_faulty) == 0
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    if quick:  # a smoke run at toy sizes (CI checks that the suite runs; figures come from the GPU)
+        small = (256, 512, 64)
+        return run_store(layers=1, dims=small, m=64) + run_pim(banks=8, dims=small, stream_mb=1)
+    return run_store() + run_pim()

@@ -1,0 +1,149 @@
+"""Per-device protection math: what one device computes on its own shard of the parameters.
+
+Everything here runs inside ``shard_map`` (or on a single device as a one-device mesh) and reads each
+leaf where it lies. Per leaf, one device keeps:
+
+- ``sums``   uint32 (stripes, 2): the checksum of every stripe (``ops.bank_checksums``);
+- ``parity`` uint8 (groups, stripe_bytes): XOR of each parity group's stripes (``ops.parity``);
+- ``psums``  uint32 (groups, 2): the checksum of each parity block, so a flipped parity bit is found
+  and refreshed rather than used to "repair" good data.
+
+Stripe and group counts are per leaf; the fault tables of a leaf are boolean masks of those lengths.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import ops
+from .geometry import BankGeometry
+
+
+class LeafGuard(NamedTuple):
+    sums: jax.Array
+    parity: jax.Array
+    psums: jax.Array
+
+
+def encode_leaf(x, geo: BankGeometry) -> LeafGuard:
+    s, g = geo.stripe_bytes, geo.group
+    par = ops.parity(x, bank_bytes=s, group=g)
+    return LeafGuard(ops.bank_checksums(x, bank_bytes=s), par, ops.bank_checksums(par, bank_bytes=s))
+
+
+def check_leaf(x, guard: LeafGuard, geo: BankGeometry) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x's checksums now, faulty stripes, faulty parity blocks): one read of x and of its parity."""
+    s = geo.stripe_bytes
+    now = ops.bank_checksums(x, bank_bytes=s)
+    bad = jnp.any(now != guard.sums, axis=-1)
+    bad_par = jnp.any(ops.bank_checksums(guard.parity, bank_bytes=s) != guard.psums, axis=-1)
+    return now, bad, bad_par
+
+
+def _per_group(mask, ngroups: int, group: int):
+    return jnp.pad(mask, (0, ngroups * group - mask.shape[0])).reshape(ngroups, group)
+
+
+class LeafRepair(NamedTuple):
+    x: jax.Array
+    guard: LeafGuard
+    faulty: jax.Array  # int32 counts: stripes + parity blocks whose checksum disagreed
+    repaired: jax.Array
+    uncorrectable: jax.Array
+    left_bad: jax.Array  # bool (stripes,): stripes still faulty after the repair
+
+
+def repair_leaf(x, guard: LeafGuard, old_sums, bad, bad_par, geo: BankGeometry) -> LeafRepair:
+    """Rebuild every group's one faulty stripe from parity, bit-exactly, in x's buffer.
+
+    Per group: one faulty data stripe and a good parity block → rebuilt; a faulty parity block and good
+    data → parity recomputed; anything more (two stripes, or a stripe and the parity) → uncorrectable,
+    left as found and still flagged. A rebuilt stripe is verified against its stored checksum; one that
+    comes back *unchanged* had a flipped checksum entry, not flipped data, and its entry is refreshed.
+    """
+    s, g = geo.stripe_bytes, geo.group
+    ng = guard.parity.shape[0]
+    ns = bad.shape[0]
+    gbad = _per_group(bad, ng, g)
+    nbad = jnp.sum(gbad, axis=1, dtype=jnp.int32)
+    rebuild = (nbad == 1) & ~bad_par
+    lost = jnp.where(rebuild, jnp.argmax(gbad, axis=1).astype(jnp.int32), jnp.int32(-1))
+    dead_group = (nbad >= 2) | ((nbad == 1) & bad_par)
+    x2 = ops.reconstruct(x, guard.parity, lost, bank_bytes=s, group=g)
+    new_sums = ops.bank_checksums(x2, bank_bytes=s)
+    rebuilt = bad & jnp.repeat(rebuild, g, total_repeat_length=ng * g)[:ns]
+    verified = jnp.all(new_sums == guard.sums, axis=-1)
+    entry_flip = jnp.all(new_sums == old_sums, axis=-1)  # the data was right; the entry was not
+    good_rebuild = rebuilt & (verified | entry_flip)
+    left_bad = bad & ~good_rebuild
+    keep_old = jnp.repeat(dead_group, g, total_repeat_length=ng * g)[:ns] | left_bad
+    sums = jnp.where(keep_old[:, None], guard.sums, new_sums)
+    # A faulty parity block over clean data is recomputed; over faulty data it is all we have, kept.
+    refresh = bad_par & (nbad == 0)
+    fresh = ops.parity(x2, bank_bytes=s, group=g)
+    par = jnp.where(refresh[:, None], fresh, guard.parity)
+    psums = jnp.where(refresh[:, None], ops.bank_checksums(par, bank_bytes=s), guard.psums)
+    faulty = jnp.sum(bad, dtype=jnp.int32) + jnp.sum(bad_par, dtype=jnp.int32)
+    repaired = jnp.sum(good_rebuild, dtype=jnp.int32) + jnp.sum(refresh, dtype=jnp.int32)
+    return LeafRepair(x2, LeafGuard(sums, par, psums), faulty, repaired, faulty - repaired, left_bad)
+
+
+def bank_counts(bad, bad_par, stripe_bank, parity_bank, nbanks: int):
+    """Faulty stripes and parity blocks per physical bank: int32 (nbanks,)."""
+    c = jnp.zeros((nbanks,), jnp.int32)
+    c = c.at[stripe_bank].add(bad.astype(jnp.int32), mode="drop")
+    return c.at[parity_bank].add(bad_par.astype(jnp.int32), mode="drop")
+
+
+# --- cross-device parity (RAID-5 style over one mesh axis of A devices) ---
+#
+# Device i's local bytes are cut into A - 1 chunks; chunk c goes to holder (i + 1 + c) mod A, which
+# keeps the XOR of the chunks it holds. Every device holds 1/(A - 1) of its shard in parity, and a
+# lost device k's chunk for holder j is holder j's parity XOR the other senders' chunks for j.
+
+
+def _chunks(b, a: int):
+    c = -(-b.shape[0] // (a - 1))
+    return jnp.pad(b, (0, c * (a - 1) - b.shape[0])).reshape(a - 1, c)
+
+
+def _outbox(chunks, a: int, me):
+    """(A, C): row j is the chunk device ``me`` sends to holder j (zeros for j == me)."""
+    j = jnp.arange(a, dtype=jnp.int32)
+    c = (j - me - 1) % a  # == A - 1 exactly for j == me: the zero row appended below
+    rows = jnp.concatenate([chunks, jnp.zeros((1, chunks.shape[1]), jnp.uint8)], axis=0)
+    return rows[c]
+
+
+def _xor_rows(m):
+    return lax.reduce(m, jnp.uint8(0), lax.bitwise_xor, (0,))
+
+
+def xparity_encode(b, axis: str, a: int):
+    """This device's cross-device parity block from every device's local bytes ``b`` (uint8 (L,))."""
+    me = lax.axis_index(axis)
+    inbox = lax.all_to_all(_outbox(_chunks(b, a), a, me), axis, 0, 0, tiled=False)
+    return _xor_rows(inbox)
+
+
+def xparity_rebuild(b, xpar, lost, axis: str, a: int):
+    """Bytes of device ``lost``'s shard, rebuilt from the others (on device ``lost``; elsewhere b).
+
+    ``lost`` is data (int32 scalar, the index along ``axis``; -1 for none), so a different lost
+    device never recompiles. Two all-to-alls: the survivors' chunks to each holder, then each
+    holder's rebuilt chunk to the lost device.
+    """
+    me = lax.axis_index(axis)
+    src = jnp.arange(a, dtype=jnp.int32)
+    inbox = lax.all_to_all(_outbox(_chunks(b, a), a, me), axis, 0, 0, tiled=False)
+    inbox = jnp.where((src == lost)[:, None], jnp.uint8(0), inbox)
+    mine = xpar ^ _xor_rows(inbox)  # on holder j != lost: the lost device's chunk for j
+    out = jnp.where((src == lost)[:, None], mine[None, :], jnp.uint8(0))
+    back = lax.all_to_all(out, axis, 0, 0, tiled=False)  # on `lost`: row j from holder j
+    chunks = back[(me + 1 + jnp.arange(a - 1, dtype=jnp.int32)) % a]
+    rebuilt = chunks.reshape(-1)[: b.shape[0]]
+    return jnp.where(me == lost, rebuilt, b)
