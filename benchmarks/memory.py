@@ -262,15 +262,19 @@ def run_pim(banks: int = 128, dims=(DIM, FFN, KV), stream_mb: int = 512) -> list
     return rows
 
 
-def run_shard(layers: int = 2, dims=(1024, 3584, 256)) -> list[dict]:
+def run_shard(layers: int | None = None, dims=None) -> list[dict]:
     """Every device of the default backend as one mesh axis; parameters sharded over it (FSDP style):
-    scrub, one failed bank on one device, and one device's whole shard rebuilt from the others."""
+    a sharded scrub, and one device's whole shard rebuilt from the others. GPUs get four Llama-3-8B
+    layers; simulated CPU devices two layers of a quarter of the width."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     devices = jax.devices()
     if len(devices) < 2:
         return []
+    gpu = devices[0].platform != "cpu"
+    layers = layers or (4 if gpu else 2)
+    dims = dims or ((DIM, FFN, KV) if gpu else (1024, 3584, 256))
     mesh = jax.make_mesh((len(devices),), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), _params(layers, dims))
     gb = _nbytes(params) / 1e9
