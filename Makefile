@@ -8,10 +8,13 @@ PIP    := $(PY) -m pip
 # Pinned so CI and every developer run the same stack (jax 0.10.2 is what PyPI serves for CPython 3.11).
 PINS   := jax==0.10.2 jaxlib==0.10.2 numpy==2.4.6 flax==0.12.8 equinox==0.13.8 optax==0.2.8 \
           jaxtyping==0.3.11 tqdm==4.70.1 pytest==9.2.0 pytest-xdist==3.8.0 ruff==0.17.6 \
-          clang-format==23.1.5 scikit-build-core==1.1.2 pybind11==3.1.0
+          clang-format==23.1.5 scikit-build-core==1.1.2 pybind11==3.1.0 \
+          tokenizers==0.23.3 safetensors==0.8.0 orbax-checkpoint==0.12.8 matplotlib==3.11.2
+# Only the tests need these (logits compared with Hugging Face transformers on the CPU).
+TEST_PINS := torch==2.13.0 transformers==5.24.0
 JOBS   ?= 2
 
-.PHONY: venv build test test-gpu lint format bench clean
+.PHONY: venv build train test test-gpu lint format bench clean
 
 $(VENV)/.stamp:
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +24,20 @@ $(VENV)/.stamp:
 
 venv: $(VENV)/.stamp
 
+$(VENV)/.test-stamp: $(VENV)/.stamp
+	$(PIP) install -q $(TEST_PINS)
+	touch $@
+
 # --no-build-isolation: the handlers must be built against the XLA FFI headers of the jaxlib that loads them.
 build: venv
 	$(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | tail -n 20
 
-test: build
+# The main job: a small Llama 3 trained on the Python standard library's sources with faults injected
+# and repaired; prints the fault report. TRAIN_ARGS passes options (python -m train.llama3 --help).
+train: build
+	$(PY) -m train.llama3 $(TRAIN_ARGS)
+
+test: build $(VENV)/.test-stamp
 	$(PY) -c "import pimlayers; [print(' ', i) for i in pimlayers.native_info().values()]"
 	$(PY) -m pytest -q -n $(JOBS) --durations=10
 
@@ -46,4 +58,4 @@ bench: build
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf build $(VENV) pimlayers/*.so
+	rm -rf build $(VENV) pimlayers/*.so .cache runs

@@ -200,7 +200,10 @@ class LinearGeneral(_Protected):
 
 
 class RMSNorm(_Protected):
-    """``flax.nnx.RMSNorm`` (last axis; scale (features,)) with an insulation gate on its output."""
+    """``flax.nnx.RMSNorm`` (last axis; scale (features,)) with an insulation gate on its output.
+
+    ``style="llama"`` multiplies in Hugging Face's order (normalise in f32, cast, then scale), for
+    checkpoint-exact Llama models; the default is flax.nnx.RMSNorm's."""
 
     def __init__(
         self,
@@ -212,8 +215,12 @@ class RMSNorm(_Protected):
         use_scale: bool = True,
         scale_init=initializers.ones,
         policy: FaultPolicy | None = None,
+        style: str = "flax",
         rngs: nnx.Rngs,
     ):
+        if style not in ("flax", "llama"):
+            raise ValueError(f"pimlayers.flax.nnx.RMSNorm: style={style!r}; expected 'flax' or 'llama'")
+        self.style = style
         self.scale = (
             nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype))
             if use_scale
@@ -232,7 +239,7 @@ class RMSNorm(_Protected):
         L._common.check_features("pimlayers.flax.nnx.RMSNorm", x, self.num_features)
         scale = None if self.scale is None else self.scale[...]
         y, report = L.rms_norm(
-            x, scale, eps=self.epsilon, dtype=self.dtype, style="flax", policy=self.policy,
+            x, scale, eps=self.epsilon, dtype=self.dtype, style=self.style, policy=self.policy,
             name="pimlayers.flax.nnx.RMSNorm",
         )  # fmt: skip
         self._record(report)

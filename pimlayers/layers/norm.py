@@ -69,7 +69,7 @@ def rms_norm(
                 var = jnp.mean(xf**2, axis=-1, keepdims=True)
                 y = (xf * lax.rsqrt(var + eps)).astype(out_dtype)
                 if scale is not None:
-                    y = scale.astype(out_dtype) * y
+                    y = jnp.reshape(scale, (1,) * (x.ndim - 1) + (-1,)).astype(out_dtype) * y
         report = FaultReport.zeros()
         if policy.gate:
             y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)

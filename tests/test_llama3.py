@@ -1,0 +1,195 @@
+"""Llama 3 from pimlayers layers: logits equal Hugging Face transformers' LlamaForCausalLM (PyTorch, CPU)
+on small random models transformers created and saved; save/load round trip; generation; errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import hf
+from models.llama3 import CONFIGS, Llama3, LlamaConfig, generate, get_config
+from pimlayers.faults import GemmFaults
+from pimlayers.flax import nnx as pnnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_model(tmp_path, *, tied=False, scaling=True, shard="60KB", seed=0):
+    kw = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    if scaling:
+        kw["rope_scaling"] = dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    path = tmp_path / f"hf-{tied}-{scaling}"
+    model.save_pretrained(path, max_shard_size=shard)
+    return model, path
+
+
+def _logits_torch(model, toks):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(toks))).logits.numpy()
+
+
+def _logits_ours(model, toks):
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(model(jnp.asarray(toks, jnp.int32)))
+
+
+@pytest.mark.parametrize("tied, scaling", [(False, True), (True, False)])
+def test_logits_equal_transformers(tmp_path, tied, scaling):
+    ref, path = _hf_model(tmp_path, tied=tied, scaling=scaling)
+    if not tied:
+        assert (path / "model.safetensors.index.json").exists()  # the sharded layout is exercised
+    ours = hf.load_pretrained(path)
+    assert ours.cfg.tie_embeddings == tied and (ours.cfg.rope_scaling is not None) == scaling
+    toks = np.random.default_rng(1).integers(0, 300, (2, 40))  # past original_max_position: scaling matters
+    diff = np.abs(_logits_ours(ours, toks) - _logits_torch(ref, toks)).max()
+    assert diff <= 1e-4, diff
+
+
+def test_save_load_round_trip_through_transformers(tmp_path):
+    ref, path = _hf_model(tmp_path)
+    ours = hf.load_pretrained(path)
+    out = tmp_path / "ours"
+    files = hf.save_pretrained(ours, out, max_shard_bytes=40_000)
+    assert len(files) > 1 and (out / "model.safetensors.index.json").exists()
+    back = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    toks = np.random.default_rng(2).integers(0, 300, (1, 12))
+    np.testing.assert_array_equal(_logits_torch(back, toks), _logits_torch(ref, toks))
+    again = hf.load_pretrained(out)
+    np.testing.assert_array_equal(_logits_ours(again, toks), _logits_ours(ours, toks))
+
+
+def test_greedy_generation_equals_transformers_and_sampling_is_seeded(tmp_path):
+    ref, path = _hf_model(tmp_path, scaling=False)
+    ours = hf.load_pretrained(path)
+    prompt = np.random.default_rng(3).integers(0, 300, (2, 5))
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(generate(ours, prompt, 8))
+    with torch.no_grad():
+        want = ref.generate(
+            torch.tensor(prompt), attention_mask=torch.ones(2, 5, dtype=torch.long), max_new_tokens=8,
+            do_sample=False, pad_token_id=0,
+        ).numpy()  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+    a = generate(ours, prompt, 6, temperature=0.8, top_k=5, key=jax.random.key(7))
+    b = generate(ours, prompt, 6, temperature=0.8, top_k=5, key=jax.random.key(7))
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (2, 11) and int(a.min()) >= 0 and int(a.max()) < 300
+    np.testing.assert_array_equal(a[:, :5], prompt)
+    with pytest.raises(ValueError, match="needs key"):
+        generate(ours, prompt, 2, temperature=1.0)
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        generate(ours, prompt, 500)
+
+
+def test_bad_checkpoints_give_clear_errors(tmp_path):
+    _, path = _hf_model(tmp_path, shard="10GB")
+    st = path / "model.safetensors"
+    data = st.read_bytes()
+    (tmp_path / "trunc").mkdir()
+    (tmp_path / "trunc" / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "trunc" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        hf.load_pretrained(tmp_path / "trunc")
+    (tmp_path / "trunc" / "model.safetensors").write_bytes(data[:5])
+    with pytest.raises(ValueError, match="too short"):
+        hf.load_pretrained(tmp_path / "trunc")
+    bad = bytearray(data)
+    bad[8:40] = b"\xff" * 32
+    (tmp_path / "trunc" / "model.safetensors").write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="corrupted"):
+        hf.load_pretrained(tmp_path / "trunc")
+    cfg = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="does not match the given config"):
+        hf.load_pretrained(path, config=hf.config_from_hf(cfg).replace(n_layers=3))
+    (tmp_path / "wrong").mkdir()
+    (tmp_path / "wrong" / "model.safetensors").write_bytes(data)
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match="missing"):
+        hf.load_pretrained(tmp_path / "wrong")
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(
+        ValueError, match=r"mlp\.gate_proj\.weight has shape \(160, 64\); the config implies \(128, 64\)"
+    ):
+        hf.load_pretrained(tmp_path / "wrong")
+    with pytest.raises(ValueError, match="model_type"):
+        hf.config_from_hf({**cfg, "model_type": "mistral"})
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        hf.load_pretrained(tmp_path)
+
+
+def test_configs():
+    c = CONFIGS["llama3_8b"]
+    assert (c.vocab_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim) == (
+        128256,
+        4096,
+        32,
+        32,
+        8,
+        14336,
+    )
+    assert (c.rope_theta, c.norm_eps, c.hd) == (500000.0, 1e-5, 128)
+    assert c.num_params() == 8_030_261_248  # Meta's Llama 3 8B
+    assert CONFIGS["llama3_1_8b"].rope_scaling.factor == 8.0
+    assert get_config("llama3_tiny", n_layers=3).n_layers == 3
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        LlamaConfig(n_heads=6, n_kv_heads=4, dim=48)
+    with pytest.raises(ValueError, match="unknown config"):
+        get_config("llama2")
+    with pytest.raises(ValueError, match="tokens are"):
+        Llama3(CONFIGS["llama3_tiny"], rngs=nnx.Rngs(0))(jnp.zeros((2, 3)))
+
+
+def test_faults_in_the_model_are_corrected_and_counted():
+    cfg = CONFIGS["llama3_tiny"]
+    model = Llama3(cfg, rngs=nnx.Rngs(0))
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    fwd = nnx.jit(lambda m, t: m(t))
+    clean = fwd(model, toks)
+    rep = pnnx.fault_report(model)
+    # Per block: q, k, v, o, scores, p·v (one GEMM per batch and KV head each) and 3 MLP GEMMs; + head.
+    assert int(rep.gemm_checked) > 0 and int(rep.gemm_detected) == 0
+    mlp = model.layers[1].mlp
+    pnnx.inject(mlp, {"up": GemmFaults.random(jax.random.key(1), (32, cfg.ffn_dim), sites=3, bit=28)})
+    faulty = fwd(model, toks)
+    rep = pnnx.fault_report(model)
+    assert int(rep.gemm_detected) >= 1 and int(rep.gemm_uncorrectable) == 0
+    np.testing.assert_allclose(faulty, clean, atol=1e-5)
+
+
+def test_remat_and_bf16_train_step():
+    cfg = get_config("llama3_tiny", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+
+    def loss_of(model):
+        logits = model(toks[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+    plain = Llama3(cfg, rngs=nnx.Rngs(0))
+    remat = Llama3(cfg, remat=True, rngs=nnx.Rngs(0))
+    step = nnx.jit(nnx.value_and_grad(loss_of))
+    l1, g1 = step(plain)
+    l2, g2 = step(remat)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(g1, nnx.Param)), jax.tree.leaves(nnx.state(g2, nnx.Param)), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert abs(float(l1) - np.log(cfg.vocab_size)) < 0.5  # an untrained model is near uniform
+    half = Llama3(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    lb = nnx.jit(loss_of)(half)
+    assert lb.dtype == jnp.float32 and abs(float(lb) - float(l1)) < 0.1

@@ -1,0 +1,72 @@
+"""The training script: faults injected while training are all reported; a resumed run continues
+bit-exactly; bad options are refused. Small models and a slice of the default corpus."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from train import llama3 as T
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    # optax's schedules mix Python floats with int32 step counts, which the suite's strict dtype
+    # promotion refuses; the training script runs under JAX's default ("standard") promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(
+        config="llama3_tiny", max_bytes=200_000, steps=10, batch=8, seq=32, eval_every=5, eval_windows=8,
+        warmup=2, out_dir=str(tmp_path / "run"), quiet=True,
+    )  # fmt: skip
+    base.update(kw)
+    return T.TrainConfig(**base)
+
+
+def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
+    cfg = _cfg(tmp_path, steps=12, flips=3, flip_every=3, gemm_fault_rate=1.0, nan_rate=0.25, seed=1)
+    s = T.train(cfg)
+    inj, g, m = s["injected"], s["gemm"], s["memory"]
+    assert inj["gemm_injected"] == 12 and g["gemm_detected"] == 12 and g["gemm_uncorrectable"] == 0
+    assert g["gemm_corrected"] >= 12
+    assert inj["flips"] == 9 and m["banks_faulty"] == 9 and m["banks_repaired"] == 9
+    assert m["banks_uncorrectable"] == 0
+    assert inj["nan_bursts"] > 0 and inj["skipped"] == inj["nan_bursts"]
+    assert s["curve"][-1][1] < s["curve"][0][1]  # it learns despite the faults
+    table = T.fault_table(s)
+    assert "silent" in table and all(line.split()[-1] == "0" for line in table.splitlines()[1:4])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 12 and "eval_loss" in log[4] and log[-1]["flips"] == 9
+    T.plot([s], tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_resume_continues_bit_exactly(tmp_path):
+    # One device: the point is the checkpoint, not the mesh (the test above trains on all eight).
+    kw = dict(steps=8, devices=1, seed=3, gemm_fault_rate=0.5, flip_every=3, nan_rate=0.2)
+    straight = T.train(_cfg(tmp_path, out_dir=str(tmp_path / "a"), **kw))
+    half = _cfg(tmp_path, out_dir=str(tmp_path / "b"), ckpt_every=4, stop_after=4, **kw)
+    T.train(half)  # "preempted" after step 4, with a checkpoint there
+    resumed = T.train(dataclasses.replace(half, resume=True, stop_after=None))
+    for a, b in zip(
+        jax.tree.leaves(straight["params_final"]), jax.tree.leaves(resumed["params_final"]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert straight["curve"][-4:] == resumed["curve"][-4:]
+
+
+def test_bad_options_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        T.parse_args(["--link-fault-rate", "0.5"])
+    assert "routed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        T.parse_args(["--config", "gpt2"])
+    cfg = T.parse_args(["--steps", "5", "--no-protect", "--data", "a.txt", "b"])
+    assert cfg.steps == 5 and not cfg.protect and cfg.data == ["a.txt", "b"]

@@ -1,0 +1,1 @@
+"""The training scripts (python -m train.llama3)."""
