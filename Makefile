@@ -10,8 +10,8 @@ PINS   := jax==0.10.2 jaxlib==0.10.2 numpy==2.4.6 flax==0.12.8 equinox==0.13.8 o
           jaxtyping==0.3.11 tqdm==4.70.1 pytest==9.2.0 pytest-xdist==3.8.0 ruff==0.17.6 \
           clang-format==23.1.5 scikit-build-core==1.1.2 pybind11==3.1.0 \
           tokenizers==0.23.3 safetensors==0.8.0 orbax-checkpoint==0.12.8 matplotlib==3.11.2
-# Only the tests need these (logits compared with Hugging Face transformers on the CPU).
-TEST_PINS := torch==2.13.0 transformers==5.24.0
+# Only the tests need these: logits compared with Hugging Face transformers on the CPU, notebooks run headless.
+TEST_PINS := torch==2.13.0 transformers==5.24.0 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
 JOBS   ?= 2
 
 .PHONY: venv build train test test-gpu lint format bench clean

@@ -1,0 +1,31 @@
+"""The notebooks run headless, top to bottom, at small sizes (PIMLAYERS_NOTEBOOK_SMALL=1)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_exist():
+    assert len(NOTEBOOKS) >= 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, monkeypatch):
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks cleared"
+    monkeypatch.setenv("PIMLAYERS_NOTEBOOK_SMALL", "1")
+    monkeypatch.setenv("XLA_FLAGS", "")  # one device in the kernel, as a user's notebook has
+    client = nbclient.NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
+    client.execute()
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
