@@ -9,6 +9,7 @@ tensors need no torch. Hugging Face stores projections as (out, in); pimlayers k
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -259,7 +260,7 @@ def load_pretrained(
     if config is not None and config != cfg:
         diff = {
             f.name: (getattr(config, f.name), getattr(cfg, f.name))
-            for f in _fields()
+            for f in dataclasses.fields(LlamaConfig)
             if getattr(config, f.name) != getattr(cfg, f.name)
         }
         raise ValueError(f"{path}: config.json does not match the given config (given, file): {diff}")
@@ -297,12 +298,6 @@ def load_pretrained(
         elif not isinstance(v, jax.Array) and jax.tree.leaves(v):
             var.set_value(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), v))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _fields():
-    import dataclasses
-
-    return dataclasses.fields(LlamaConfig)
 
 
 def save_pretrained(
