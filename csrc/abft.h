@@ -51,11 +51,19 @@ PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonf
                               int64_t nonfinite_loc, float c1, float c2, float mag, int64_t n,
                               const AbftParams& p) {
   AbftDecision d{kAbftClean, -1};
+  float b1 = AbftBound(mag, sum_abs, n, p);
+  double nd = static_cast<double>(n);
   if (nonfinite > 0) {
-    if (nonfinite == 1 && p.correct && IsFiniteF(c1)) return {kAbftCorrected, nonfinite_loc};
+    // The sums leave the non-finite element out, so r1 = -y_loc and r2 = -(loc + 1) y_loc when it
+    // is the only error; anything else in the block breaks that proportion (see below).
+    double r1 = s1 - static_cast<double>(c1), r2 = s2 - static_cast<double>(c2);
+    double tol = 2.0 * nd * b1 + 4.0 * nd * nd * fabs(r1) * 2.220446049250313e-16;
+    bool single = fabs(r2 - static_cast<double>(nonfinite_loc + 1) * r1) <= tol;
+    if (nonfinite == 1 && p.correct && IsFiniteF(c1) && IsFiniteF(c2) && single) {
+      return {kAbftCorrected, nonfinite_loc};
+    }
     return {kAbftDetected, -1};
   }
-  float b1 = AbftBound(mag, sum_abs, n, p);
   double r1 = s1 - static_cast<double>(c1);
   double r2 = s2 - static_cast<double>(c2);
   bool bad_inputs = !IsFiniteF(c1) || !IsFiniteF(c2) || !IsFiniteF(mag);
@@ -64,6 +72,12 @@ PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonf
   if (!(fabs(r1) > 4.0 * static_cast<double>(n) * b1)) return {kAbftDetected, -1};
   double j = rint(r2 / r1) - 1.0;
   if (!(j >= 0.0 && j < static_cast<double>(n))) return {kAbftDetected, -1};
+  // One error e at column j leaves r2 = (j + 1) r1 up to rounding: the checksums' (|r1| <= b1,
+  // |r2| <= n b1) and the f64 sums' (n terms of at most n |e|). Two errors of very different size
+  // also point at a column; their remainder (b - a) e_b exceeds this, and the block goes to
+  // recompute instead of being "corrected" wrongly.
+  double tol = 2.0 * nd * b1 + 4.0 * nd * nd * fabs(r1) * 2.220446049250313e-16;
+  if (!(fabs(r2 - (j + 1.0) * r1) <= tol)) return {kAbftDetected, -1};
   return {kAbftCorrected, static_cast<int64_t>(j)};
 }
 

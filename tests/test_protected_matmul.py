@@ -61,6 +61,32 @@ def test_injected_faults_corrected_and_counted(block_n):
             assert d["gemm_detected"] == 1 and d["gemm_corrected"] >= 1
 
 
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_two_errors_of_very_different_size_in_one_row_are_not_miscorrected(impl):
+    """Bit 30 (x2^128) and bit 24 (x2) in one row: the weighted checksum points at the big one's
+    column, but the remainder shows a second error, so the block is recomputed, not "corrected"."""
+    x, w = _xw(16, 64, 40)
+    enc = ops.abft_encode(w, None)
+    clean = _plain(x, w)
+    z = jnp.zeros((2,), jnp.int32)
+    faults = GemmFaults(
+        z + 3, jnp.array([5, 30], jnp.int32), jnp.array([30, 24], jnp.int32), jnp.ones((2,), bool)
+    )
+    y, r = jax.jit(lambda a, b, e, fl: ops.protected_matmul(a, b, e, faults=fl, impl=impl))(x, w, enc, faults)
+    d = r.to_dict()
+    assert d["gemm_detected"] == 1 and d["gemm_recomputed"] == 1 and d["gemm_uncorrectable"] == 0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(clean), atol=1e-4, rtol=1e-5)
+    # The check alone says "detected", never "corrected", for that row.
+    c, mag = ops.abft_checks(x, enc)
+    bad = np.asarray(clean).copy()
+    for col, bit in ((5, 30), (30, 24)):
+        bad[3, col] = np.frombuffer(
+            (np.float32(bad[3, col]).view(np.uint32) ^ np.uint32(1 << bit)).tobytes(), np.float32
+        )[0]
+    _, flags = ops.abft_check(jnp.asarray(bad), c, mag, k=64, impl=impl)
+    assert int(np.asarray(flags)[3, 0]) == ops.ABFT_DETECTED
+
+
 def test_detect_mode_reports_and_does_not_touch():
     x, w = _xw(16, 32, 24)
     faults = GemmFaults.random(jax.random.key(0), (16, 24), 4, 1.0, bit=30)

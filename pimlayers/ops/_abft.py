@@ -113,11 +113,21 @@ def abft_check_reference(y, checks, mag, k: int, block_n: int, lam: float, u: fl
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
     jl = jnp.rint(r2 / r1) - 1.0
-    locatable = correct & ~bad & (jnp.abs(r1) > 4.0 * width * b1) & (jl >= 0) & (jl < width)
+    # A single error leaves r2 = (jl + 1) r1 up to rounding (csrc/abft.h; the sums here are f32, so
+    # the rounding term uses f32's epsilon); two errors of very different size do not.
+    tol = 2.0 * width * b1 + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
+    single = jnp.abs(r2 - (jl + 1.0) * r1) <= tol
+    locatable = correct & ~bad & (jnp.abs(r1) > 4.0 * width * b1) & (jl >= 0) & (jl < width) & single
     n_nonfinite = nonfinite.sum(-1)
+    nf_loc = jnp.argmax(nonfinite, axis=-1).astype(jnp.float32)
+    nf_single = jnp.abs(r2 - (nf_loc + 1.0) * r1) <= tol
     flag = jnp.where(
         n_nonfinite > 0,
-        jnp.where((n_nonfinite == 1) & correct & jnp.isfinite(c1), ABFT_CORRECTED, ABFT_DETECTED),
+        jnp.where(
+            (n_nonfinite == 1) & correct & jnp.isfinite(c1) & jnp.isfinite(c2) & nf_single,
+            ABFT_CORRECTED,
+            ABFT_DETECTED,
+        ),
         jnp.where(detected, jnp.where(locatable, ABFT_CORRECTED, ABFT_DETECTED), ABFT_CLEAN),
     ).astype(jnp.int32)
     loc = jnp.where(n_nonfinite > 0, jnp.argmax(nonfinite, axis=-1), jl.astype(jnp.int32))
