@@ -3,6 +3,8 @@ devices, zero-copy (pointers, donation, temporary bytes), no recompilation, faul
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -389,21 +391,13 @@ def test_lose_any_one_of_eight_shards_and_rebuild_it_bit_exact(cpu_mesh):
         destroyed = faults.lose_shard(store, params, state, k, seed=k)
         assert destroyed > 0
         assert int(store.scrub(params, state).report.banks_faulty) > 0
-        ctx = jax.no_tracing() if k else _null()
+        ctx = jax.no_tracing() if k else contextlib.nullcontext()
         with ctx:
             params, state, report = store.rebuild_shard(params, state, k)
         assert int(report.banks_repaired) == sum(lf.nstripes for lf in store.address_map.leaves)
         assert _same(params, clean), k
         assert all(np.array_equal(a, b) for a, b in zip(_host(state), fresh, strict=True)), k
     assert store._rebuild._cache_size() == 1
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def test_sharded_scrub_gathers_one_fault_table_and_repairs_each_device(cpu_mesh):

@@ -93,6 +93,8 @@ def _refresh_host_copy(x: jax.Array, device, view) -> None:
     # jax.Arrays cache the host copy made by np.asarray; after an in-place write it would be stale.
     # The cache cannot be emptied from Python, so it is overwritten with the buffer's new bytes.
     buf = _shard(x, device)
+    if getattr(buf, "_npy_value", None) is None and getattr(x, "_npy_value", None) is None:
+        return  # nothing cached: no host copy to make (a whole-buffer transfer per injection otherwise)
     host = view.get() if hasattr(view, "get") else np.array(view)
     local = host.view(np.dtype(buf.dtype)).reshape(buf.shape) if host.size else np.zeros(buf.shape, buf.dtype)
     local.flags.writeable = False
