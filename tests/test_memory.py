@@ -442,3 +442,22 @@ def test_store_on_a_two_axis_mesh_keeps_parity_over_one_axis():
     faults.lose_shard(store, params, state, 6)  # data=1, fsdp=2
     params, state, _ = store.rebuild_shard(params, state, 2)
     assert _same(params, clean)
+
+
+def test_an_injected_flip_waits_for_work_already_dispatched():
+    # A computation dispatched before the flip reads the bytes as they were; only later work sees it.
+    x = jnp.ones((1 << 22,), jnp.float32)
+    x.block_until_ready()
+
+    @jax.jit
+    def slow_sum(x):  # ~0.1 s of reads of x on a CPU core
+        return jax.lax.fori_loop(0, 64, lambda i, acc: acc + jnp.sum(x * (i + 1.0)), jnp.float32(0))
+
+    before = slow_sum(x).block_until_ready()
+    for _ in range(3):
+        pending = slow_sum(x)  # dispatched, not finished
+        faults.flip_bits(x, [3], [6])  # bit 30 of element 0: 1.0 -> 2**128 = inf
+        assert float(pending) == float(before)
+        faults.flip_bits(x, [3], [6])  # back
+    faults.flip_bits(x, [3], [6])
+    assert not np.isfinite(float(slow_sum(x)))

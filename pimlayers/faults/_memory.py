@@ -2,8 +2,9 @@
 
 What a flipped HBM cell does to a running job: the bytes of a parameter change, and no JAX operation
 was involved. These functions get each device buffer's address (``unsafe_buffer_pointer``) and write
-through it — a host pointer on CPU, CuPy over ``__cuda_array_interface__`` on GPU — after the buffer's
-pending writes have finished. Nothing is copied, and the jax.Array objects stay the same objects.
+through it — a host pointer on CPU, CuPy over ``__cuda_array_interface__`` on GPU — after all work
+already dispatched has finished (so a flip made after ``encode`` is never seen by that encode).
+Nothing is copied, and the jax.Array objects stay the same objects.
 
 Devices are named by their index in ``arr.sharding``'s device order for sharded arrays (the store's
 ``devices`` list for a `PimStore`), or by a ``jax.Device``.
@@ -63,7 +64,11 @@ def device_bytes(x: jax.Array, device=None):
     Waits for pending work on the buffer first. Writes through the view change ``x`` itself.
     """
     buf = _shard(x, device)
-    buf.block_until_ready()
+    # The write must come after every computation already dispatched. block_until_ready on the buffer
+    # only waits for the work that *writes* it; a computation still *reading* it (an encode dispatched
+    # just before) would otherwise see the flip, and the flip would look like the truth. Every pending
+    # computation has live outputs, so waiting for all live arrays orders the write after them.
+    jax.block_until_ready(jax.live_arrays())
     n = buf.nbytes
     platform = next(iter(buf.devices())).platform
     if platform == "cpu":
