@@ -37,6 +37,15 @@ plain / banked kernel;
 `aquabolt_x6_est_ms` is the Aquabolt-XL HBM-PIM model's estimate for six cubes
 (`pimlayers.memory.pim_timing`), `est_vs_gpu` = measured plain GEMV / estimate (> 1: the model says
 PIM would be faster). The shard table runs on simulated CPU devices (one mesh axis over all of them).
+
+Reading the routing tables: `routing` times `routed_attention` on a one-device mesh against its local
+kernel run alone (`routing_overhead` = routed / local - 1), pimlayers' other protected attention
+(`layers.attention_core`) and the stock kernels, forward and `grad` of sum(out * g); `vs_routed` =
+routed time / that row's time. `routing-sim` runs `routed_attention` on simulated CPU devices and
+sets the `PhotonicMesh` simulator's estimate beside the measured time: the simulator is calibrated by
+microbenchmarks in the same run (one round of half-block attention; one transfer with 1 and with 17
+attempts, giving `calib_transfer_ms` per transfer and `calib_attempt_ms` per extra attempt), and
+`attempts_*` compare the transfer attempts per call the step made with the simulator's Monte Carlo.
 """
 
 

@@ -3,6 +3,7 @@
 python -m benchmarks.run                 # every suite, on the default JAX device
 python -m benchmarks.run --suite ops --size-mb 256
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite shard   # 8 CPU devices
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite routing-sim
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import argparse
 
 import jax
 
-from . import abft_campaign, matmul, memory, ops
+from . import abft_campaign, matmul, memory, ops, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    suites = ["ops", "matmul", "abft", "memory", "pim", "shard", "all"]
+    suites = ["ops", "matmul", "abft", "memory", "pim", "shard", "routing", "routing-sim", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
     args = ap.parse_args()
@@ -36,6 +37,8 @@ def main() -> None:
         ("memory", memory.run_store),
         ("pim", memory.run_pim),
         ("shard", memory.run_shard),
+        ("routing", routing.run_local),
+        ("routing-sim", routing.run_sim),
     ):
         if args.suite in (name, "all"):
             rows = run()

@@ -19,3 +19,13 @@ def test_memory_suite_quick_runs_and_repairs():
     assert bank["stripes_rebuilt"] > 0 and bank["in_place"]
     assert rows["scrub (verify every stripe + parity)"]["gbs"] > 0
     assert any(op.startswith("gemv") for op in rows)
+
+
+def test_routing_suite_quick_checks_every_kernel_and_reports_the_overhead():
+    from benchmarks import routing
+
+    rows = routing.run(quick=True)
+    ops = {(r["mode"], r["op"]) for r in rows if "ms" in r}
+    for mode in ("fwd", "fwd+bwd"):
+        assert (mode, "routed_attention (1-device mesh)") in ops and (mode, "local kernel alone") in ops
+    assert all("routing_overhead" in r for r in rows if r["op"].startswith("routed"))

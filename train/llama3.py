@@ -69,7 +69,7 @@ class TrainConfig:
     flip_every: int = 20  # steps between memory-fault injections (0: never)
     gemm_fault_rate: float = 0.2  # chance per step that one MLP GEMM output gets a flipped bit
     nan_rate: float = 0.02  # chance per step of a NaN burst in the gradients
-    link_fault_rate: float = 0.0  # needs routed attention (not in this release)
+    link_fault_rate: float = 0.0  # needs the model's attention routed over the sequence (not wired yet)
     protect: bool = True  # False: stock arithmetic, no store (the comparison run)
     out_dir: str = "runs/llama3"
     ckpt_every: int = 0  # 0: no checkpoints
@@ -97,7 +97,10 @@ def parse_args(argv=None) -> TrainConfig:
     if cfg.config not in CONFIGS:
         ap.error(f"--config {cfg.config}: expected one of {sorted(CONFIGS)}")
     if cfg.link_fault_rate > 0:
-        ap.error("--link-fault-rate needs routed (context-parallel) attention, which is not in this release")
+        ap.error(
+            "--link-fault-rate: the training script does not route its attention yet (pimlayers.routing."
+            "routed_attention exists; the Llama 3 model does not call it); run without it"
+        )
     return cfg
 
 

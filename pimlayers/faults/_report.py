@@ -27,7 +27,7 @@ _DOCS: dict[str, str] = {
     "banks_faulty": "stripes or parity blocks whose checksum disagreed",
     "banks_repaired": "of those, rebuilt from parity or refreshed",
     "banks_uncorrectable": "of those, beyond what parity can rebuild",
-    "link_retries": "transfers resent on another route",
+    "link_retries": "transfer attempts repeated (over the best route left)",
     "link_failures": "transfers lost on every route",
 }
 
