@@ -288,21 +288,47 @@ def run_shard(layers: int | None = None, dims=None) -> list[dict]:
         holder["p"], holder["s"] = out[0], out[1]
         return out[2]
 
+    def snapshot():  # every device's bytes of every leaf (parameters and protection data), copied
+        leaves = jax.tree.leaves(holder["p"]) + jax.tree.leaves(holder["s"])
+        return [{sh.device: np.asarray(sh.data).copy() for sh in x.addressable_shards} for x in leaves]
+
+    def same(a, b, dev):
+        return all(
+            np.array_equal(x[dev].view(np.uint8), y[dev].view(np.uint8)) for x, y in zip(a, b, strict=True)
+        )
+
+    clean = snapshot()
+    axis = list(store.devices)  # device i along the parity axis
+    checks = {"others_untouched": True, "lost_destroyed": True, "bit_exact": True}
+
     def lose():
-        lost = int(np.random.default_rng(len(rows)).integers(len(devices)))
+        lost = int(np.random.default_rng(len(checks) + lose.calls).integers(len(devices)))
+        lose.calls += 1
+        checks["bit_exact"] &= all(same(snapshot(), clean, d) for d in axis)  # the last rebuild's work
         faults.lose_shard(store, holder["p"], holder["s"], lost, seed=lost)
+        hit = snapshot()
+        checks["others_untouched"] &= all(same(hit, clean, d) for i, d in enumerate(axis) if i != lost)
+        checks["lost_destroyed"] &= not same(hit, clean, axis[lost])
         return holder["p"], holder["s"], lost
 
+    lose.calls = 0
     rebuild(*lose())  # compile
     t_shard = _once(rebuild, lose)
+    checks["bit_exact"] &= all(same(snapshot(), clean, d) for d in axis)
+    compiles = store._rebuild._cache_size()
     rows.append(
         dict(
             op=f"rebuild one device's whole shard ({len(devices)} devices)",
             gbytes=gb / len(devices),
             ms=t_shard * 1e3,
             overhead_x=store.overhead()["cross_device_parity_bytes"] / store.overhead()["protected_bytes"],
+            losses=lose.calls,
+            compiles=compiles,
+            **checks,
         )
     )
+    if not all(checks.values()) or compiles != 1:
+        raise AssertionError(f"shard loss: {checks}, {compiles} compiled rebuild programs")
     assert int(store.scrub(holder["p"], holder["s"]).report.banks_faulty) == 0
     return rows
 

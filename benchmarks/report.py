@@ -46,6 +46,24 @@ sets the `PhotonicMesh` simulator's estimate beside the measured time: the simul
 microbenchmarks in the same run (one round of half-block attention; one transfer with 1 and with 17
 attempts, giving `calib_transfer_ms` per transfer and `calib_attempt_ms` per extra attempt), and
 `attempts_*` compare the transfer attempts per call the step made with the simulator's Monte Carlo.
+`routing-multi` runs over every GPU of the machine: first the stress run (f32, 50 calls per schedule
+at an 88% link-fault rate, each with a fresh fault pattern, under `jax.no_tracing()`;
+`max_rel_err_vs_fault_free` against the fault-free routed output, `max_abs_err_vs_reference` against
+`jax.nn.dot_product_attention` at HIGHEST precision on the unsharded inputs; `compiles` = programs in
+the jit cache), then measured times beside the simulator as in `routing-sim`. The `shard` rows check
+that losing a device's whole shard leaves every other device's bytes untouched, destroys the lost
+one's, and that the rebuild is bit-exact (`bit_exact`), over `losses` losses with `compiles` programs.
+
+Reading the llama3 tables: the training script itself (`train.llama3.train`) at Llama-3-8B
+dimensions with `--layers` decoder layers, T = 8192, one sequence per device, bf16 compute, f32
+parameters and AdamW moments, every block rematerialised, byte tokenizer. `protect=True` is the full
+protected step (PimStore verify-and-repair before every step, ABFT-checked GEMMs, the fault-aware
+optimizer, encode on write) with faults injected: parameter bit flips every 5 steps
+(`flips_injected` / `banks_repaired`) and a GEMM output fault with probability 0.2 per step
+(`gemm_injected` / `gemm_corrected`). `step_ms` is the median step (the compiling first step left
+out); MFU = step FLOPs (6 per weight per token plus causal attention) / (devices x 989 TFLOP/s);
+`on_over_off` = protected / unprotected tokens/s; `peak_gb` is device 0's peak allocation. The model's
+attention is `layers.attention_core` (scores materialised) in both configurations, not cuDNN.
 """
 
 
@@ -68,7 +86,8 @@ def render() -> None:
             f"\n## {data['suite']} — {data['device']} — {data['date'][:10]}\n\n"
             f"jax {data['jax']}, Python {data['python']}; command: `{data['command']}`; file: "
             f"`benchmarks/results/{path.name}`\n\n"
-            f"| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n"
+            + (f"Note: {data['note']}.\n\n" if data.get("note") else "")
+            + f"| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n"
         )
         for r in data["rows"]:
             parts.append(f"| {' | '.join(_cell(r.get(c)) for c in cols)} |\n")

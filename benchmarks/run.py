@@ -4,6 +4,8 @@ python -m benchmarks.run                 # every suite, on the default JAX devic
 python -m benchmarks.run --suite ops --size-mb 256
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite shard   # 8 CPU devices
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite routing-sim
+python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
+python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ import argparse
 
 import jax
 
-from . import abft_campaign, matmul, memory, ops, routing
+from . import abft_campaign, llama3, matmul, memory, ops, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    suites = ["ops", "matmul", "abft", "memory", "pim", "shard", "routing", "routing-sim", "all"]
+    suites = ["ops", "matmul", "abft", "memory", "pim", "shard", "routing", "routing-sim", "routing-multi"]
+    suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
+    ap.add_argument("--layers", type=int, default=8, help="llama3: decoder layers at 8B dimensions")
+    ap.add_argument("--steps", type=int, default=12, help="llama3: training steps per configuration")
+    ap.add_argument("--devices", type=int, default=1, help="llama3: devices to train on (0: all)")
     args = ap.parse_args()
     print(f"device: {device_name()}")
     if args.suite in ("ops", "all"):
@@ -39,13 +45,16 @@ def main() -> None:
         ("shard", memory.run_shard),
         ("routing", routing.run_local),
         ("routing-sim", routing.run_sim),
+        ("routing-multi", routing.run_multi),
+        ("llama3", lambda: llama3.run(layers=args.layers, steps=args.steps, devices=args.devices)),
     ):
         if args.suite in (name, "all"):
             rows = run()
             if not rows:
                 print(f"{name}: nothing to run on {len(jax.devices())} device(s)")
                 continue
-            path = write_result(name, rows, command_line())
+            tag = f"llama3-{rows[0]['devices']}dev" if name == "llama3" else name  # a file per device count
+            path = write_result(tag, rows, command_line())
             for r in rows:
                 print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
             print(f"wrote {path}")

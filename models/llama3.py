@@ -164,6 +164,11 @@ class Llama3(nnx.Module):
         if not isinstance(cfg, LlamaConfig):
             raise TypeError(f"Llama3: cfg is a {type(cfg).__name__}; expected models.llama3.LlamaConfig")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
+        # Set by a trainer that shards the batch (e.g. NamedSharding(mesh, P(("data", "fsdp")))): the
+        # hidden state is pinned to it after the embedding and after every block, so XLA keeps the
+        # activations split by batch and gathers the FSDP-sharded weights, instead of sharding the
+        # activations by a weight dimension and replicating the batch (75 GB scores at T = 8192).
+        self.activation_sharding = None
         self.policy = FaultPolicy() if policy is None else policy
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.dim, dtype=dtype, param_dtype=param_dtype,
@@ -190,6 +195,10 @@ class Llama3(nnx.Module):
         dtype = dtype or self.dtype or self.embed_tokens.embedding[...].dtype
         return [L.KVCache.init(batch, max_len, cfg.n_kv_heads, cfg.hd, dtype) for _ in range(cfg.n_layers)]
 
+    def _pin(self, x):
+        s = self.activation_sharding
+        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
     def __call__(
         self,
         tokens: Int[Array, "b t"],
@@ -202,7 +211,8 @@ class Llama3(nnx.Module):
             )
         if cache is not None and len(cache) != self.cfg.n_layers:
             raise ValueError(f"Llama3: cache has {len(cache)} layers; the model has {self.cfg.n_layers}")
-        x = self.embed_tokens(tokens)
+        pin = self._pin
+        x = pin(self.embed_tokens(tokens))
         new_cache = []
         for i, layer in enumerate(self.layers):
             c = None if cache is None else cache[i]
@@ -210,6 +220,7 @@ class Llama3(nnx.Module):
                 x, c = nnx.remat(lambda blk, x, p: blk(x, p))(layer, x, positions)
             else:
                 x, c = layer(x, positions, c)
+            x = pin(x)
             new_cache.append(c)
         x = self.norm(x)
         if self.lm_head is None:

@@ -29,3 +29,38 @@ def test_routing_suite_quick_checks_every_kernel_and_reports_the_overhead():
     for mode in ("fwd", "fwd+bwd"):
         assert (mode, "routed_attention (1-device mesh)") in ops and (mode, "local kernel alone") in ops
     assert all("routing_overhead" in r for r in rows if r["op"].startswith("routed"))
+
+
+def test_routing_stress_suite_is_exact_under_faults_without_recompiling():
+    from benchmarks import routing
+
+    rows = routing.run_stress(iters=3, t=256, h=4, kv=2, d=16)
+    assert {r["schedule"] for r in rows} == {"ring", "bidir"}
+    for r in rows:
+        assert r["devices"] == 8 and r["compiles"] == 1
+        assert r["max_rel_err_vs_fault_free"] <= 1e-6 and r["max_abs_err_vs_reference"] <= 1e-5
+        assert r["retries"] > 0 and r["corrupted_detected"] + r["lost_detected"] > 0
+        assert r["incomplete_rows"] == 0 and r["link_failures"] == 0
+
+
+def test_shard_suite_checks_the_rebuild_against_the_original_bytes():
+    from benchmarks import memory
+
+    rows = memory.run_shard(layers=1, dims=(128, 256, 32))
+    shard = rows[-1]
+    assert shard["bit_exact"] and shard["others_untouched"] and shard["lost_destroyed"]
+    assert shard["compiles"] == 1 and shard["losses"] == 6
+
+
+def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books():
+    import jax
+
+    from benchmarks import llama3
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
+        rows = {r["protect"]: r for r in llama3.quick()}
+    on, off = rows[True], rows[False]
+    assert off["flips_injected"] == 0 and on["flips_injected"] > 0
+    assert on["banks_repaired"] > 0 and on["uncorrectable"] == 0
+    assert on["gemm_corrected"] >= on["gemm_injected"]
+    assert on["tokens_per_s"] > 0 and off["on_over_off"] == 1.0

@@ -87,6 +87,28 @@ def test_two_errors_of_very_different_size_in_one_row_are_not_miscorrected(impl)
     assert int(np.asarray(flags)[3, 0]) == ops.ABFT_DETECTED
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_fused_low_precision_operand_is_checked_as_the_gemm_saw_it(dtype):
+    # Under jit XLA may fuse an operand's producer (SwiGLU's silu(g) * u) into each consumer and
+    # simplify away its rounding to bf16 in one of them; the checksum then verified a different
+    # operand than the GEMM multiplied, and every down projection was a false detection.
+    from pimlayers.layers import llama_mlp
+
+    ks = jax.random.split(jax.random.key(5), 4)
+    x = jax.random.normal(ks[0], (1, 256, 64), jnp.float32).astype(dtype)
+    wg, wu = (0.02 * jax.random.normal(k, (64, 160), jnp.float32) for k in ks[1:3])
+    wd = 0.02 * jax.random.normal(ks[3], (160, 64), jnp.float32)
+
+    def f(x, wg, wu, wd, tap):
+        y, rep = llama_mlp(x, wg, wu, wd, dtype=dtype, tap=tap)
+        return jnp.sum(y.astype(jnp.float32)), rep
+
+    (_, rep), dtap = jax.jit(jax.value_and_grad(f, argnums=4, has_aux=True))(x, wg, wu, wd, ops.zero_tap())
+    back = ops.report_from_tap(dtap)
+    assert int(rep.gemm_checked) == 3 and int(back.gemm_checked) == 6
+    assert int(rep.gemm_detected) == 0 and int(back.gemm_detected) == 0
+
+
 def test_detect_mode_reports_and_does_not_touch():
     x, w = _xw(16, 32, 24)
     faults = GemmFaults.random(jax.random.key(0), (16, 24), 4, 1.0, bit=30)

@@ -67,6 +67,12 @@ def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, preci
     is one scalar and stays a real branch (a per-GEMM predicate would turn into a select under vmap).
     """
     g, r, n = a.shape[0], a.shape[1], b.shape[2]
+    if policy.enabled:
+        # The GEMM and its checksum must read the same operand. Without the barrier XLA may fuse an
+        # operand's producer (e.g. silu(g) * u in bf16) into each consumer separately and drop the
+        # bf16 rounding in one of them (convert pairs are simplified away), so the two products
+        # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
+        a = lax.optimization_barrier(a)
     y = inject_gemm_faults(_dot(a, b, precision).reshape(g * r, n), faults).reshape(g, r, n)
     report = FaultReport.zeros()
     if policy.enabled:
