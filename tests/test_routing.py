@@ -79,7 +79,8 @@ def test_88_percent_link_faults_50_iterations_exact_with_no_recompilation():
             out = np.asarray(out)
             rel = np.max(np.abs(out - clean)) / np.max(np.abs(clean))
             assert rel <= 1e-6, f"iteration {it}: relative error {rel}"
-            assert not bool(rep.incomplete.any()) and int(rep.faults.link_failures) == 0
+            # numpy, not jnp: an eager jnp reduction may trace (and no_tracing would raise)
+            assert not np.asarray(rep.incomplete).any() and int(rep.faults.link_failures) == 0
             retries.append(int(rep.faults.link_retries))
             rounds.append(int(rep.rounds))
             corrupted += int(rep.corrupted)
