@@ -63,6 +63,27 @@ def test_equals_dot_product_attention(schedule, layout, causal):
     assert int(rep.rounds) == (0 if schedule == "allgather" else 7)  # n - 1 transfers, no retries
 
 
+def test_own_blocks_long_enough_to_cut_still_equal_the_reference():
+    # 256 tokens per device: each device's diagonal block (zig-zag: two chunks) skips its invisible
+    # quarter (the contiguous layout's own block runs the same code)
+    layout = "zigzag"
+    q, k, v = _qkv(3, t=2048)
+    mesh = _ring_mesh()
+
+    def f(q, k, v):
+        return routed_attention(q, k, v, mesh=mesh, axis="d", layout=layout)[0]
+
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, v)), np.asarray(ref), rtol=1e-5, atol=2e-6)
+    w = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(
+        lambda *a: jnp.sum(jax.nn.dot_product_attention(*a, is_causal=True) * w), argnums=(0, 1, 2)
+    )(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_88_percent_link_faults_50_iterations_exact_with_no_recompilation():
     q, k, v = _qkv(1)
     mesh = _ring_mesh()
@@ -211,13 +232,16 @@ def test_simulator_orders_schedules_and_faults():
     assert rerouted.attempts == 14 and rerouted.abandoned == 0  # each round: direct fails, detour delivers
 
 
-def test_the_local_kernel_alone_matches_the_reference_forward_and_backward():
-    q, k, v = _qkv(6)
-    w = jnp.asarray(np.random.default_rng(7).standard_normal((B, T, H, D)), jnp.float32)
+@pytest.mark.parametrize("t, blocks", [(T, 1), (512, 7)])
+def test_the_local_kernel_alone_matches_the_reference_forward_and_backward(t, blocks):
+    # t = 512: the causal block is cut in halves (the invisible quarter skipped), and each diagonal
+    # half again: 7 blocks
+    q, k, v = _qkv(6, t=t)
+    w = jnp.asarray(np.random.default_rng(7).standard_normal((B, t, H, D)), jnp.float32)
     out, rep = jax.jit(local_attention)(q, k, v)
     ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=2e-6)
-    assert int(rep.gemm_checked) == 2 * B * KV  # q·kᵀ and p·v per (batch, KV head)
+    assert int(rep.gemm_checked) == 2 * B * KV * blocks  # q·kᵀ and p·v per (batch, KV head) and block
 
     def loss(f, *a):
         return jnp.sum(f(*a) * w)
