@@ -122,18 +122,7 @@ def estimate(
         xfer = (n - 1) * (hop_s + attempt_overhead_s + transfer_overhead_s) + jitter(
             (draws, max(n - 1, 1))
         ).sum(axis=1) * (n > 1)
-        total = compute + xfer
-        return Estimate(
-            schedule,
-            n,
-            float(np.mean(p)),
-            float(total.mean()),
-            float(np.quantile(total, 0.95)),
-            compute,
-            float(xfer.mean()),
-            float(n - 1),
-            0.0,
-        )
+        return _summary(schedule, n, p, compute + xfer, compute, float(n - 1), 0.0)
 
     sts = streams(schedule, pm)
     rounds = max(len(st) for st in sts)
@@ -162,15 +151,22 @@ def estimate(
         compute = blocks * off
         hidden_compute += compute
         total += np.maximum(xfer, compute) if overlap else xfer + compute
-    compute_s = diag + hidden_compute
+    return _summary(
+        schedule, n, p, total, diag + hidden_compute, float(attempts_sum.mean()), float(abandoned.mean())
+    )
+
+
+def _summary(schedule, n, p, total, compute_s, attempts, abandoned) -> Estimate:
+    """An Estimate from the Monte Carlo step times (transfer time: whatever compute does not explain)."""
+    mean = float(total.mean())
     return Estimate(
         schedule,
         n,
         float(np.mean(p)),
-        float(total.mean()),
+        mean,
         float(np.quantile(total, 0.95)),
         compute_s,
-        float(total.mean() - compute_s),
-        float(attempts_sum.mean()),
-        float(abandoned.mean()),
+        mean - compute_s,
+        attempts,
+        abandoned,
     )
