@@ -16,52 +16,61 @@ from pimlayers import FaultPolicy, ops
 from ._harness import time_fn
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
+SMALL_SHAPES = [(256, 1024), (1024, 256), (512, 512)]  # the CPU goal: "protected Dense at small sizes"
 
 
-def run(m: int = 8192, shapes=SHAPES, dtype=jnp.bfloat16) -> list[dict]:
+def run(m: int = 8192, shapes=SHAPES, dtype=jnp.bfloat16, block_ns=(None, 128)) -> list[dict]:
     rows = []
-    policy = FaultPolicy()
-    for k, n in shapes:
-        kx, kw = jax.random.split(jax.random.key(k + n))
-        x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
-        w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-        # A random cotangent passed as an argument: a constant (e.g. ones) lets XLA fold the backward.
-        g = jax.random.normal(jax.random.key(7), (m, n), jnp.float32).astype(dtype)
-        enc = ops.abft_encode(w, policy.block_n)
-
-        plain = jax.jit(lambda a, b: jnp.matmul(a, b))
-        prot = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=policy))
-        y0, (y1, rep) = plain(x, w), prot(x, w, enc)
-        err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
-        if rep.to_dict()["gemm_detected"] or err > 0.05:
-            raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
-        flops = 2.0 * m * k * n
-        t0, t1 = time_fn(plain, x, w), time_fn(prot, x, w, enc)
-        rows.append(_row(f"fwd {k}->{n}", m, t0, t1, flops))
-
-        # value_and_grad: the loss value needs y, so both sides run all three GEMMs, as training does.
-        def loss_plain(a, b, c):
-            return jnp.sum((jnp.matmul(a, b) * c).astype(jnp.float32))
-
-        def loss_prot(a, b, e, c):
-            return jnp.sum((ops.protected_matmul(a, b, e, policy=policy)[0] * c).astype(jnp.float32))
-
-        plain_g = jax.jit(jax.value_and_grad(loss_plain, argnums=(0, 1)))
-        prot_g = jax.jit(jax.value_and_grad(loss_prot, argnums=(0, 1)))
-        (_, gp), (_, gq) = plain_g(x, w, g), prot_g(x, w, enc, g)
-        gerr = max(
-            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-            for a, b in zip(gp, gq, strict=True)
-        )
-        t0, t1 = time_fn(plain_g, x, w, g), time_fn(prot_g, x, w, enc, g)
-        rows.append(_row(f"fwd+bwd {k}->{n}", m, t0, t1, 3 * flops, max_grad_diff=gerr))
+    for block_n in block_ns:
+        policy = FaultPolicy(block_n=block_n)
+        for k, n in shapes:
+            rows += _shape(m, k, n, dtype, policy)
     return rows
 
 
-def _row(op: str, m: int, t0: float, t1: float, flops: float, **extra) -> dict:
+def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
+    rows = []
+    kx, kw = jax.random.split(jax.random.key(k + n))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    # A random cotangent passed as an argument: a constant (e.g. ones) lets XLA fold the backward.
+    g = jax.random.normal(jax.random.key(7), (m, n), jnp.float32).astype(dtype)
+    enc = ops.abft_encode(w, policy.block_n)
+
+    plain = jax.jit(lambda a, b: jnp.matmul(a, b))
+    prot = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=policy))
+    y0, (y1, rep) = plain(x, w), prot(x, w, enc)
+    err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
+    if rep.to_dict()["gemm_detected"] or err > 0.05:
+        raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
+    flops = 2.0 * m * k * n
+    t0, t1 = time_fn(plain, x, w), time_fn(prot, x, w, enc)
+    rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops))
+
+    # value_and_grad: the loss value needs y, so both sides run all three GEMMs, as training does.
+    def loss_plain(a, b, c):
+        return jnp.sum((jnp.matmul(a, b) * c).astype(jnp.float32))
+
+    def loss_prot(a, b, e, c):
+        return jnp.sum((ops.protected_matmul(a, b, e, policy=policy)[0] * c).astype(jnp.float32))
+
+    plain_g = jax.jit(jax.value_and_grad(loss_plain, argnums=(0, 1)))
+    prot_g = jax.jit(jax.value_and_grad(loss_prot, argnums=(0, 1)))
+    (_, gp), (_, gq) = plain_g(x, w, g), prot_g(x, w, enc, g)
+    gerr = max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        for a, b in zip(gp, gq, strict=True)
+    )
+    t0, t1 = time_fn(plain_g, x, w, g), time_fn(prot_g, x, w, enc, g)
+    rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, max_grad_diff=gerr))
+    return rows
+
+
+def _row(op: str, m: int, policy: FaultPolicy, t0: float, t1: float, flops: float, **extra) -> dict:
     return dict(
         op=op,
         m=m,
+        block_n=policy.block_n or "row",
         plain_ms=t0 * 1e3,
         protected_ms=t1 * 1e3,
         ratio=t0 / t1,
@@ -69,3 +78,56 @@ def _row(op: str, m: int, t0: float, t1: float, flops: float, **extra) -> dict:
         protected_tflops=flops / t1 / 1e12,
         **extra,
     )
+
+
+def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat16, block_ns=(None, 128)):
+    """Where a protected forward GEMM's time goes: each stage timed alone, then together.
+
+    plain (XLA, output in the operands' dtype), the same GEMM with an f32 output (what the check
+    reads), the checks (``abft_checks``), ``abft_finish`` on that f32 output, the three in one jit,
+    and ``protected_matmul`` with and without the recompute branch (``lax.cond``).
+    """
+    rows = []
+    for block_n in block_ns:
+        policy = FaultPolicy(block_n=block_n)
+        for k, n in shapes:
+            x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
+            w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+            enc = ops.abft_encode(w, block_n)
+            gemm32 = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+            checks = jax.jit(ops.abft_checks)
+            y32, (c, mag) = gemm32(x, w), checks(x, enc)
+            kw = dict(k=k, block_n=block_n, out_dtype=dtype)
+
+            def fused(a, b, e, kw=kw):
+                return ops.abft_finish(
+                    jnp.matmul(a, b, preferred_element_type=jnp.float32), *ops.abft_checks(a, e), **kw
+                )
+
+            fns = {
+                "plain": (jax.jit(jnp.matmul), (x, w)),
+                "gemm_f32_out": (gemm32, (x, w)),
+                "checks": (checks, (x, enc)),
+                "finish": (jax.jit(lambda a, b, d, kw=kw: ops.abft_finish(a, b, d, **kw)), (y32, c, mag)),
+                "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
+                "protected": (
+                    jax.jit(lambda a, b, e, p=policy: ops.protected_matmul(a, b, e, policy=p)),
+                    (x, w, enc),
+                ),
+                "protected_no_recompute": (
+                    jax.jit(
+                        lambda a, b, e, p=policy: ops.protected_matmul(
+                            a, b, e, policy=p.replace(recompute=False)
+                        )
+                    ),
+                    (x, w, enc),
+                ),
+            }
+            _, rep = fns["protected"][0](x, w, enc)
+            if rep.to_dict()["gemm_detected"]:
+                raise AssertionError(f"protected_matmul {k}->{n}: false detection {rep.to_dict()}")
+            row = dict(op=f"fwd {k}->{n}", m=m, block_n=block_n or "row")
+            row.update({f"{name}_ms": time_fn(fn, *a) * 1e3 for name, (fn, a) in fns.items()})
+            row["ratio"] = row["plain_ms"] / row["protected_ms"]
+            rows.append(row)
+    return rows

@@ -96,28 +96,43 @@ def run(size_mb: int = 1024) -> list[dict]:
         )
     )
 
-    # abft_check on a Llama-3-8B MLP output (M=8192, N=14336, f32 before rounding).
+    # abft_check on a Llama-3-8B MLP output (M=8192, N=14336, f32 before rounding), and abft_finish:
+    # the same check, then the gate and the cast to bf16 in the same pass (what a protected GEMM runs).
     m, n, k = (8192 if size_mb >= 512 else 512), 14336, 4096
     y = jax.device_put(jax.random.normal(key, (m, n), jnp.float32), dev)
-    for block_n in (None, 1024):
+    for block_n in (None, 128):
         nbk = 1 if block_n is None else -(-n // block_n)
         c = jnp.stack([y.reshape(m, nbk, -1).sum(-1), jnp.zeros((m, nbk))], -1)
         mag = jnp.full((m, nbk), 1e6, jnp.float32)
-        nat = jax.jit(lambda a, b, d, bn=block_n: ops.abft_check(a, b, d, k=k, block_n=bn, impl="native"))
-        ref = jax.jit(lambda a, b, d, bn=block_n: ops.abft_check(a, b, d, k=k, block_n=bn, impl="reference"))
-        _check("abft_check flags", nat(y, c, mag)[1], ref(y, c, mag)[1])
-        t_n, t_r = time_fn(nat, y, c, mag), time_fn(ref, y, c, mag)
-        ab = y.size * 4
-        rows.append(
-            dict(
-                op=f"abft_check {m}x{n} block_n={block_n}",
-                mbytes=ab >> 20,
-                ms=t_n * 1e3,
-                gbs=ab / t_n / 1e9,
-                peer="XLA reference",
-                peer_ms=t_r * 1e3,
-                ratio=t_r / t_n,
-                copy_fraction=(ab / t_n / 1e9) / copy_gbs,
-            )
+        kw = dict(k=k, block_n=block_n)
+        fkw = dict(kw, out_dtype=jnp.bfloat16)
+        cases = (
+            (
+                "abft_check",
+                lambda impl, kw=kw: jax.jit(lambda a, b, d: ops.abft_check(a, b, d, impl=impl, **kw)),
+                4,
+            ),
+            (
+                "abft_finish f32->bf16 gated",
+                lambda impl, kw=fkw: jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl=impl, **kw)),
+                6,
+            ),
         )
+        for name, make, bytes_per in cases:
+            nat, ref = make("native"), make("reference")
+            _check(f"{name} flags", nat(y, c, mag)[1], ref(y, c, mag)[1])
+            t_n, t_r = time_fn(nat, y, c, mag), time_fn(ref, y, c, mag)
+            ab = y.size * bytes_per
+            rows.append(
+                dict(
+                    op=f"{name} {m}x{n} block_n={block_n}",
+                    mbytes=ab >> 20,
+                    ms=t_n * 1e3,
+                    gbs=ab / t_n / 1e9,
+                    peer="XLA reference",
+                    peer_ms=t_r * 1e3,
+                    ratio=t_r / t_n,
+                    copy_fraction=(ab / t_n / 1e9) / copy_gbs,
+                )
+            )
     return rows

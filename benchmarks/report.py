@@ -16,7 +16,11 @@ ours is faster). GB/s counts the bytes an op must move (inputs read once, output
 
 Reading the matmul table: "fwd+bwd" is `value_and_grad` of sum(y * g), so both sides run all three
 GEMMs (forward, dx, dw), as a training step does; TFLOP/s counts those three. `max_grad_diff` is the
-largest gradient difference between protected and plain (0: identical bf16 gradients).
+largest gradient difference between protected and plain (0: identical bf16 gradients). `block_n`
+is the ABFT column block (`row`: one checksum per output row, the library default; 128: what the
+training script uses). The matmul table on cpu:cpu is the CPU goal (protected Dense <= 1.3x plain at
+small sizes, f32). `matmul-parts` times a protected forward GEMM's stages alone and together (see
+`benchmarks/matmul.py::parts`); `ratio` there is plain / protected.
 
 Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
 shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;

@@ -6,6 +6,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --su
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite routing-sim
 python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
 python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
+python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
+python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import jax
+import jax.numpy as jnp
 
 from . import abft_campaign, llama3, matmul, memory, ops, routing
 from ._harness import command_line, device_name, write_result
@@ -21,15 +24,35 @@ from .report import render
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    suites = ["ops", "matmul", "abft", "memory", "pim", "shard", "routing", "routing-sim", "routing-multi"]
+    suites = [
+        "ops",
+        "matmul",
+        "matmul-parts",
+        "abft",
+        "memory",
+        "pim",
+        "shard",
+        "routing",
+        "routing-sim",
+        "routing-multi",
+    ]
     suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
     ap.add_argument("--layers", type=int, default=8, help="llama3: decoder layers at 8B dimensions")
     ap.add_argument("--steps", type=int, default=12, help="llama3: training steps per configuration")
     ap.add_argument("--devices", type=int, default=1, help="llama3: devices to train on (0: all)")
+    ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
+    ap.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="matmul: operand dtype"
+    )
+    ap.add_argument(
+        "--shapes", choices=["llama", "small"], default="llama", help="matmul: Llama-3-8B or small"
+    )
     args = ap.parse_args()
     print(f"device: {device_name()}")
+    shapes = matmul.SHAPES if args.shapes == "llama" else matmul.SMALL_SHAPES
+    dtype = jnp.dtype(args.dtype)
     if args.suite in ("ops", "all"):
         rows = ops.run(args.size_mb)
         path = write_result("ops", rows, command_line())
@@ -38,7 +61,8 @@ def main() -> None:
             print(f"{r['op']:<42} {r['ms']:9.3f} ms {r['gbs']:9.1f} GB/s{extra}")
         print(f"wrote {path}")
     for name, run in (
-        ("matmul", matmul.run),
+        ("matmul", lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype)),
+        ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
         ("abft", abft_campaign.run),
         ("memory", memory.run_store),
         ("pim", memory.run_pim),

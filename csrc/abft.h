@@ -22,6 +22,8 @@
 // subtracting a (possibly huge or non-finite) residual.
 #pragma once
 
+#include <optional>
+
 #include "common.h"
 
 namespace pimlayers {
@@ -81,10 +83,46 @@ PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonf
   return {kAbftCorrected, static_cast<int64_t>(j)};
 }
 
+// abft_finish: after the check, the insulation gate and the cast to the output dtype, in the same
+// pass over y. The gate judges the value as stored (after the cast: an f32 value that overflows
+// bf16 is caught as the Inf it becomes). `dropped` counts replaced values.
+struct GateSpec {
+  bool on;
+  float fill;
+  float limit;
+};
+
+PL_HD float CastF(float v, FloatKind k) {
+  if (k == FloatKind::kBF16) return Bf16ToF32(F32ToBf16(v));
+  if (k == FloatKind::kF16) return F16ToF32(F32ToF16(v));
+  return v;
+}
+
+PL_HD float GateCast(float v, FloatKind out, const GateSpec& g, int* dropped) {
+  float c = CastF(v, out);
+  if (!g.on || (IsFiniteF(c) && fabsf(c) <= g.limit)) return c;
+  ++*dropped;
+  return g.fill;
+}
+
+// Where y comes from and goes to. out may alias y (abft_check: same dtype, no gate; then only
+// corrected values are written). counts may be null (abft_check has no gate).
+struct AbftIo {
+  const void* y;
+  FloatKind in_kind;
+  void* out;
+  FloatKind out_kind;
+  const float* checks;
+  const float* mag;
+  int32_t* flags;
+  int32_t* counts;
+  int64_t rows, n_all, block_n, nb;
+};
+
 // Shape and dtype validation shared by the CPU and CUDA bindings.
 inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer& checks,
                                   const ffi::AnyBuffer& mag, int64_t block_n, int64_t k,
-                                  const ffi::AnyBuffer& y_out, const ffi::AnyBuffer& flags,
+                                  std::optional<ffi::AnyBuffer> y_out, const ffi::AnyBuffer& flags,
                                   FloatKind* kind, int64_t* rows, int64_t* n, int64_t* nb) {
   const std::string op = "abft_check";
   if (!ToFloatKind(y.element_type(), kind)) {
@@ -109,10 +147,33 @@ inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer&
                 " with block_n=" + std::to_string(block_n) +
                 "; expected float32 (..., M, nb, 2) and (..., M, nb), nb = " + std::to_string(*nb));
   }
-  if (y_out.element_type() != y.element_type() || y_out.element_count() != y.element_count() ||
-      flags.element_type() != ffi::DataType::S32 ||
+  // y_out is checked here for abft_check (in place); abft_finish checks its own
+  // (CheckFinishOutputs).
+  if (y_out &&
+      (y_out->element_type() != y.element_type() || y_out->element_count() != y.element_count())) {
+    return BadArg(op, "y_out must have y's dtype and shape");
+  }
+  if (flags.element_type() != ffi::DataType::S32 ||
       static_cast<int64_t>(flags.element_count()) != *rows * *nb) {
-    return BadArg(op, "outputs must be y's dtype and shape, and int32 flags (..., M, nb)");
+    return BadArg(op, "flags must be int32 (..., M, nb)");
+  }
+  return ffi::Error::Success();
+}
+
+// abft_finish's extra outputs: y_out in a float dtype of y's shape, counts (..., M) int32.
+inline ffi::Error CheckFinishOutputs(const ffi::AnyBuffer& y, const ffi::AnyBuffer& y_out,
+                                     const ffi::AnyBuffer& counts, int64_t rows,
+                                     FloatKind* out_kind) {
+  if (!ToFloatKind(y_out.element_type(), out_kind) || y_out.element_count() != y.element_count()) {
+    return BadArg("abft_finish", "y_out " + ShapeString(y_out.dimensions()) + " " +
+                                     DtypeName(y_out.element_type()) + "; expected y's shape " +
+                                     ShapeString(y.dimensions()) + " in float32|bfloat16|float16");
+  }
+  if (counts.element_type() != ffi::DataType::S32 ||
+      static_cast<int64_t>(counts.element_count()) != rows) {
+    return BadArg("abft_finish", "counts " + ShapeString(counts.dimensions()) +
+                                     "; expected int32 with one count per row of y (" +
+                                     std::to_string(rows) + ")");
   }
   return ffi::Error::Success();
 }

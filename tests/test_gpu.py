@@ -86,3 +86,40 @@ def test_abft(gpu, shape, block_n):
     np.testing.assert_allclose(
         np.asarray(o_n), np.asarray(o_r), atol=1e-2 * float(jnp.abs(y).max()), equal_nan=True
     )
+
+
+# Row kernel (f32, rows and blocks multiples of 128 columns: whole 512-column chunks, a tail chunk,
+# blocks spanning chunks) and the warp kernel (ragged widths, bf16 input).
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_n", "in_dtype"),
+    [
+        (64, 256, 14336, None, jnp.float32),
+        (64, 256, 14336, 128, jnp.float32),
+        (33, 128, 1152, 128, jnp.float32),
+        (33, 128, 1152, 384, jnp.float32),
+        (9, 64, 200, 32, jnp.float32),
+        (9, 64, 256, 128, jnp.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_abft_finish(gpu, m, k, n, block_n, in_dtype, out_dtype):
+    rng = np.random.default_rng(n + m)
+    x = _on(gpu, jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)))
+    w = _on(gpu, jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k)))
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, block_n))
+    y = jnp.matmul(x, w, precision="highest").astype(in_dtype)
+    bad = np.array(y.astype(jnp.float32))
+    rows = rng.choice(m, size=min(m, 8), replace=False)
+    bad[rows, rng.integers(0, n, rows.size)] += 1e3
+    bad[rows[0], 1] = np.nan
+    bad[rows[1], 2] = bad[rows[1], 3] = np.inf  # two in one block: detected, gated
+    bad = _on(gpu, jnp.asarray(bad).astype(in_dtype))
+    kw = dict(k=k, block_n=block_n, out_dtype=out_dtype, fill=0.0)
+    o_n, f_n, n_n = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="native", **kw))(bad, c, mag)
+    o_r, f_r, n_r = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="reference", **kw))(bad, c, mag)
+    assert np.array_equal(np.asarray(f_n), np.asarray(f_r))
+    assert np.array_equal(np.asarray(n_n), np.asarray(n_r)) and int(n_n[rows[1]]) == 2
+    np.testing.assert_allclose(np.asarray(o_n, np.float32), np.asarray(o_r, np.float32), rtol=1e-2, atol=1e-2)
+    clean, f_c, n_c = ops.abft_finish(y, c, mag, impl="native", **kw)
+    assert not np.asarray(f_c).any() and not np.asarray(n_c).any()
+    assert np.asarray(clean).tobytes() == np.asarray(y.astype(out_dtype)).tobytes()

@@ -30,6 +30,7 @@ from jaxtyping import Array, Float, Int32
 
 from ._common import UNIT_ROUNDOFF, check_float
 from ._dispatch import check_impl, dispatch
+from ._gate import gate_reference
 
 __all__ = [
     "ABFT_CLEAN",
@@ -40,6 +41,8 @@ __all__ = [
     "abft_check_reference",
     "abft_checks",
     "abft_encode",
+    "abft_finish",
+    "abft_finish_reference",
 ]
 
 ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED = 0, 1, 2
@@ -84,11 +87,50 @@ def abft_checks(
     For a batch of weights (sums (*g, K, nb, 2)), x is (*g, R, K): matmul's batch broadcasting.
     """
     *g, k, nb = enc.abs_sums.shape
+    sums = enc.sums.reshape(*g, k, nb * 2)
+    if x.dtype == jnp.bfloat16:
+        # bf16 x: the f32 checksum columns split into bf16 terms (hi + mid + lo carries 24 bits,
+        # f32's precision) ride on the tensor cores: each bf16 x bf16 product is exact in f32, so
+        # the f32-accumulated sum of the three products is the f32 check, at bf16 GEMM speed (an
+        # f32 GEMM at HIGHEST runs on CUDA cores, ~15x slower on an H200). mag only scales the
+        # bound: two terms (2^-17 relative) are plenty.
+        c = _split_dot(x, sums, 3).reshape(*x.shape[:-1], nb, 2)
+        mag = _split_dot(jnp.abs(x), enc.abs_sums, 2)
+        return c, mag
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
-    c = jnp.matmul(xf, enc.sums.reshape(*g, k, nb * 2), precision=hi).reshape(*x.shape[:-1], nb, 2)
+    c = jnp.matmul(xf, sums, precision=hi).reshape(*x.shape[:-1], nb, 2)
     mag = jnp.matmul(jnp.abs(xf), enc.abs_sums, precision=hi)
     return c, mag
+
+
+def _split_dot(x: Float[Array, "*m k"], w: Float[Array, "*g k c"], terms: int) -> Float[Array, "*m c"]:
+    """x (bf16) @ w (f32) in f32 via w = sum of ``terms`` bf16 parts: one bf16 GEMM, exact products."""
+    parts, rest = [], w
+    for _ in range(terms):
+        head = _bf16_head(rest)
+        parts.append(head.astype(jnp.bfloat16))  # exact: head is a bf16 value
+        rest = rest - head  # exact in f32
+    cols = w.shape[-1]
+    y = jnp.matmul(x, jnp.concatenate(parts, axis=-1), preferred_element_type=jnp.float32)
+    y = y.reshape(*y.shape[:-1], terms, cols)
+    out = y[..., terms - 1, :]
+    for t in range(terms - 2, -1, -1):  # smallest first
+        out = out + y[..., t, :]
+    return out
+
+
+def _bf16_head(v: Float[Array, ...]) -> Float[Array, ...]:
+    """v rounded to its nearest bf16 value (half away from zero), kept in f32, by bit arithmetic.
+
+    Not ``v.astype(bf16).astype(f32)``: XLA may elide such a convert pair (it allows excess
+    precision by default), which on the H200 turned ``v - head`` into 0 inside jit, dropped the lower
+    parts and left the checks with bf16 precision: every 128-column block of attention's GEMMs was
+    flagged. Integer arithmetic on the bits is never elided.
+    """
+    bits = lax.bitcast_convert_type(v, jnp.uint32)
+    rounded = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(rounded, jnp.float32)
 
 
 def abft_check_reference(y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool):
@@ -183,27 +225,115 @@ def abft_check(
     """
     check_impl("abft_check", impl)
     check_float("abft_check", "y", y)
-    if y.ndim < 2:
-        raise ValueError(f"pimlayers.abft_check: y has shape {tuple(y.shape)}; expected (..., M, N)")
-    n = y.shape[-1]
-    bn, nb = _blocks(n, block_n)
-    want_c, want_m = (*y.shape[:-1], nb, 2), (*y.shape[:-1], nb)
-    for name, arr, want in (("checks", checks, want_c), ("mag", mag, want_m)):
-        if tuple(arr.shape) != want or arr.dtype != jnp.float32:
-            raise ValueError(
-                f"pimlayers.abft_check: {name} has {arr.dtype} {tuple(arr.shape)}; expected float32 {want} "
-                f"for y {tuple(y.shape)} with block_n={block_n}"
-            )
-    if not isinstance(k, int | np.integer) or k < 0:
-        raise ValueError(f"pimlayers.abft_check: k={k!r}; expected the GEMM inner dimension (int >= 0)")
-    if not lam > 0 or not unit_roundoff > 0:
-        raise ValueError(f"pimlayers.abft_check: lam={lam}, unit_roundoff={unit_roundoff}; expected both > 0")
-    args = (int(k), bn, float(lam), float(unit_roundoff), bool(correct))
+    args = (*_check_args("abft_check", y, checks, mag, k, block_n, lam, unit_roundoff), bool(correct))
     return dispatch(
         "abft_check",
         impl,
         lambda a, c, m: _native(a, c, m, *args),
         lambda a, c, m: abft_check_reference(a, c, m, *args),
+        y,
+        checks,
+        mag,
+    )
+
+
+def _check_args(op: str, y, checks, mag, k, block_n, lam, unit_roundoff) -> tuple[int, int, float, float]:
+    """Validate a check's operands; returns ``(k, block width, lam, unit_roundoff)``."""
+    if y.ndim < 2:
+        raise ValueError(f"pimlayers.{op}: y has shape {tuple(y.shape)}; expected (..., M, N)")
+    bn, nb = _blocks(y.shape[-1], block_n)
+    want_c, want_m = (*y.shape[:-1], nb, 2), (*y.shape[:-1], nb)
+    for name, arr, want in (("checks", checks, want_c), ("mag", mag, want_m)):
+        if tuple(arr.shape) != want or arr.dtype != jnp.float32:
+            raise ValueError(
+                f"pimlayers.{op}: {name} has {arr.dtype} {tuple(arr.shape)}; expected float32 {want} "
+                f"for y {tuple(y.shape)} with block_n={block_n}"
+            )
+    if not isinstance(k, int | np.integer) or k < 0:
+        raise ValueError(f"pimlayers.{op}: k={k!r}; expected the GEMM inner dimension (int >= 0)")
+    if not lam > 0 or not unit_roundoff > 0:
+        raise ValueError(f"pimlayers.{op}: lam={lam}, unit_roundoff={unit_roundoff}; expected both > 0")
+    return int(k), bn, float(lam), float(unit_roundoff)
+
+
+def abft_finish_reference(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit):
+    """Pure-JAX twin of the native abft_finish: check and correct, cast, then gate the stored value."""
+    out, flags = abft_check_reference(y, checks, mag, k, block_n, lam, u, correct)
+    out = out.astype(out_dtype)
+    if gate:
+        out, counts = gate_reference(out, fill, limit)
+    else:
+        counts = jnp.zeros(y.shape[:-1], jnp.int32)
+    return out, flags, counts
+
+
+def _finish_native(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit):
+    out = (
+        jax.ShapeDtypeStruct(y.shape, out_dtype),
+        jax.ShapeDtypeStruct(mag.shape, jnp.int32),
+        jax.ShapeDtypeStruct(y.shape[:-1], jnp.int32),
+    )
+    call = jax.ffi.ffi_call("pimlayers_abft_finish", out, vmap_method="broadcast_all")
+    return call(
+        y,
+        checks,
+        mag,
+        block_n=np.int64(block_n),
+        k=np.int64(k),
+        unit_roundoff=np.float32(u),
+        lam=np.float32(lam),
+        correct=np.bool_(correct),
+        gate=np.bool_(gate),
+        fill=np.float32(fill),
+        limit=np.float32(limit),
+    )
+
+
+def abft_finish(
+    y: Float[Array, "*m n"],
+    checks: Float[Array, "*m nb 2"],
+    mag: Float[Array, "*m nb"],
+    *,
+    k: int,
+    block_n: int | None = None,
+    lam: float = 8.0,
+    unit_roundoff: float = F32_ROUNDOFF,
+    correct: bool = True,
+    out_dtype=None,
+    gate: bool = True,
+    fill: float = 0.0,
+    limit: float | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "*m n"], Int32[Array, "*m nb"], Int32[Array, "*m"]]:
+    """:func:`abft_check`, the insulation gate and the cast to ``out_dtype`` in one pass over y.
+
+    What a protected GEMM does with its f32 product: verify (and correct) it where the bound is
+    tight, then store it in the layer's dtype with non-finite (and ``|y| > limit``) values replaced
+    by ``fill`` — judged after the cast, so an f32 value that overflows bf16 is caught too. Three
+    separate passes (check, gate, cast) read y three times; this reads it once.
+
+    Returns ``(y_out, flags, counts)``: y_out in ``out_dtype`` (default y's), flags per (row, block)
+    as :func:`abft_check`, counts (int32, per row) of gated values. Not differentiable (the
+    protected GEMMs' custom VJP wraps it).
+    """
+    check_impl("abft_finish", impl)
+    check_float("abft_finish", "y", y)
+    out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"pimlayers.abft_finish: out_dtype={out_dtype}; expected float32, bfloat16 or float16"
+        )
+    if limit is None:
+        limit = math.inf
+    if not isinstance(limit, int | float) or math.isnan(limit) or limit < 0:
+        raise ValueError(f"pimlayers.abft_finish: limit={limit!r}; expected None or a number >= 0")
+    args = _check_args("abft_finish", y, checks, mag, k, block_n, lam, unit_roundoff)
+    args = (*args, bool(correct), out_dtype, bool(gate), float(fill), float(limit))
+    return dispatch(
+        "abft_finish",
+        impl,
+        lambda a, c, m: _finish_native(a, c, m, *args),
+        lambda a, c, m: abft_finish_reference(a, c, m, *args),
         y,
         checks,
         mag,

@@ -4,12 +4,13 @@ Forward, for x: (..., K) and w: (K, N) in f32, bf16 or f16:
   1. y32 = x @ w with f32 accumulation (bf16/f16 products are exact in f32; f32 inputs run at
      HIGHEST precision so TF32 rounding cannot swamp the bound);
   2. [tests and demos] injected faults flip bits of y32 inside the compiled step;
-  3. abft_check against the weight's encoded checksum columns (``enc``; "encode on write": whoever
+  3. abft_finish checks y32 against the weight's encoded checksum columns (``enc``; "encode on write": whoever
      writes w refreshes them) — before rounding to bf16, where the bound is tight;
   4. errors located there are rebuilt in place; anything detected but not located triggers one
      recompute of the GEMM under ``lax.cond`` (the rare slow path), checked again; what still
      disagrees is reported as uncorrectable — never silent;
-  5. the insulation gate replaces non-finite (and out-of-range) values and counts them.
+  5. the insulation gate replaces non-finite (and out-of-range) values and counts them; checks 3-5
+     and the cast to the output dtype are one pass over y32 (``abft_finish``).
 
 Backward (custom VJP): dx = dy @ w^T and dw = x^T @ dy go through the same checked GEMM, with the
 checksum columns of w^T and dy encoded on the fly, and the same gate. Their report comes out as
@@ -28,7 +29,7 @@ from jax import lax
 
 from ..faults import FaultPolicy, FaultReport
 from ..faults._inject import GemmFaults, inject_gemm_faults
-from ._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums, abft_check, abft_checks, abft_encode
+from ._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums, abft_checks, abft_encode, abft_finish
 from ._common import check_float
 from ._gate import gate
 
@@ -59,12 +60,14 @@ def _dot(a, b, precision):
     )
 
 
-def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl):
-    """(G, R, K) @ (G, K, N) -> (f32 (G, R, N), FaultReport), per the policy.
+def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl, out_dtype):
+    """(G, R, K) @ (G, K, N) -> (out_dtype (G, R, N), FaultReport), per the policy.
 
     G independent GEMMs (1 for a layer's matmul; batch x heads for attention) share one slow path:
     the recompute runs when any of them has an error it could not locate, so the branch predicate
     is one scalar and stays a real branch (a per-GEMM predicate would turn into a select under vmap).
+    The f32 product is checked, corrected, gated and cast to ``out_dtype`` in one pass
+    (``abft_finish``): y is read once after the GEMM writes it.
     """
     g, r, n = a.shape[0], a.shape[1], b.shape[2]
     if policy.enabled:
@@ -74,54 +77,69 @@ def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, preci
         # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
         a = lax.optimization_barrier(a)
     y = inject_gemm_faults(_dot(a, b, precision).reshape(g * r, n), faults).reshape(g, r, n)
-    report = FaultReport.zeros()
-    if policy.enabled:
-        kw = dict(k=a.shape[2], block_n=policy.block_n, lam=policy.lam, impl=impl)
-        c, mag = abft_checks(a, enc)
-        y, flags = abft_check(y, c, mag, correct=policy.corrects, **kw)
-        in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
-        pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
-        detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
-        recomputed = jnp.int32(0)
-        if policy.corrects and policy.recompute:
+    if not policy.enabled:
+        report = FaultReport.zeros()
+        if policy.gate:
+            y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
+            report = report + FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
+        return y.astype(out_dtype), report
+    kw = dict(
+        k=a.shape[2],
+        block_n=policy.block_n,
+        lam=policy.lam,
+        impl=impl,
+        out_dtype=out_dtype,
+        gate=policy.gate,
+        fill=policy.gate_fill,
+        limit=policy.gate_limit,
+    )
+    c, mag = abft_checks(a, enc)
+    out, flags, counts = abft_finish(y, c, mag, correct=policy.corrects, **kw)
+    in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
+    pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
+    detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
+    recomputed = jnp.int32(0)
+    if policy.corrects and policy.recompute:
 
-            def slow(y_bad):
-                # The barrier keeps XLA from reusing the first product: this is a real recompute.
-                a2, b2 = lax.optimization_barrier((a, b))
-                y2, flags2 = abft_check(_dot(a2, b2, precision), c, mag, correct=True, **kw)
-                return y2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(g)
+        def slow(_):
+            # The barrier keeps XLA from reusing the first product: this is a real recompute.
+            a2, b2 = lax.optimization_barrier((a, b))
+            out2, flags2, counts2 = abft_finish(_dot(a2, b2, precision), c, mag, correct=True, **kw)
+            return out2, counts2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(g)
 
-            y, still, recomputed = lax.cond(pending > 0, slow, lambda y_ok: (y_ok, pending, jnp.int32(0)), y)
-        else:
-            still = pending
-        report = FaultReport(
-            gemm_checked=g,
-            gemm_detected=detected,
-            gemm_corrected=in_place + (pending - still),
-            gemm_recomputed=recomputed,
-            gemm_uncorrectable=still,
-        )
-    if policy.gate:
-        y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
-        report = report + FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
-    return y, report
+        def keep(ok):
+            return ok[0], ok[1], pending, jnp.int32(0)
+
+        out, counts, still, recomputed = lax.cond(pending > 0, slow, keep, (out, counts))
+    else:
+        still = pending
+    report = FaultReport(
+        gemm_checked=g,
+        gemm_detected=detected,
+        gemm_corrected=in_place + (pending - still),
+        gemm_recomputed=recomputed,
+        gemm_uncorrectable=still,
+        nonfinite_gated=jnp.sum(counts, dtype=jnp.int32),
+    )
+    return out, report
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _pmm(a, b, enc, faults, tap, policy, precision, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _pmm(a, b, enc, faults, tap, policy, precision, impl, out_dtype):
     del tap
     fwd_faults = None if faults is None else faults[0]
-    return _checked_gemm(a, b, enc, policy, fwd_faults, precision, impl)
+    return _checked_gemm(a, b, enc, policy, fwd_faults, precision, impl, out_dtype)
 
 
-def _pmm_fwd(a, b, enc, faults, tap, policy, precision, impl):
-    out = _pmm(a, b, enc, faults, tap, policy, precision, impl)
+def _pmm_fwd(a, b, enc, faults, tap, policy, precision, impl, out_dtype):
+    out = _pmm(a, b, enc, faults, tap, policy, precision, impl, out_dtype)
     return out, (a, b, enc, faults)
 
 
-def _pmm_bwd(policy, precision, impl, res, cts):
+def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     a, b, enc, faults = res
     dy, _ = cts
+    del out_dtype
     # The backward GEMMs run on the operands' own dtype with f32 accumulation, as the forward does:
     # bf16 x bf16 products are exact in f32, so the f32 bound holds, and the tensor cores run at
     # bf16 rate (casting to f32 first would run a TF32 or f32 GEMM several times slower).
@@ -130,14 +148,14 @@ def _pmm_bwd(policy, precision, impl, res, cts):
     if faults is not None:
         f_da, f_db = faults[1], faults[2]
     bt = jnp.swapaxes(b, 1, 2).astype(dy.dtype)
-    da, r_da = _checked_gemm(dy, bt, _encode(bt, policy), policy, f_da, precision, impl)
+    da, r_da = _checked_gemm(dy, bt, _encode(bt, policy), policy, f_da, precision, impl, a.dtype)
     at = jnp.swapaxes(a, 1, 2).astype(dy.dtype)
-    db, r_db = _checked_gemm(at, dy, _encode(dy, policy), policy, f_db, precision, impl)
+    db, r_db = _checked_gemm(at, dy, _encode(dy, policy), policy, f_db, precision, impl, b.dtype)
     zeros_enc = jax.tree.map(jnp.zeros_like, enc)
     no_faults = (
         None if faults is None else jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
     )
-    return da.astype(a.dtype), db.astype(b.dtype), zeros_enc, no_faults, _to_tap(r_da + r_db)
+    return da, db, zeros_enc, no_faults, _to_tap(r_da + r_db)
 
 
 _pmm.defvjp(_pmm_fwd, _pmm_bwd)
@@ -199,8 +217,8 @@ def protected_matmul(
         )
     with jax.named_scope("pimlayers.protected_matmul"):
         enc1 = WeightChecksums(enc.sums[None], enc.abs_sums[None])
-        y, report = _pmm(x.reshape(1, -1, k), w[None], enc1, faults, tap, policy, precision, impl)
-    return y.astype(out_dtype).reshape(*x.shape[:-1], n), report
+        y, report = _pmm(x.reshape(1, -1, k), w[None], enc1, faults, tap, policy, precision, impl, out_dtype)
+    return y.reshape(*x.shape[:-1], n), report
 
 
 def protected_bmm(
@@ -238,8 +256,8 @@ def protected_bmm(
     a3, b3 = a.reshape(g, r, k), b.reshape(g, k, n)
     with jax.named_scope("pimlayers.protected_bmm"):
         enc = _encode(b3, policy)
-        y, report = _pmm(a3, b3, enc, faults, tap, policy, precision, impl)
-    return y.astype(out_dtype).reshape(*lead, r, n), report
+        y, report = _pmm(a3, b3, enc, faults, tap, policy, precision, impl, jnp.dtype(out_dtype))
+    return y.reshape(*lead, r, n), report
 
 
 def _encode(b, policy: FaultPolicy) -> WeightChecksums:

@@ -1,0 +1,141 @@
+"""abft_finish (check + correct + gate + cast in one pass) and the bf16 split checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pimlayers import ops
+
+HI = jax.lax.Precision.HIGHEST
+
+
+def _gemm(rng, m, k, n, block_n):
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k))
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, block_n))
+    return jnp.matmul(x, w, precision=HI), c, mag
+
+
+def _faulty(rng, y):
+    """Located errors, non-finite values, a value that overflows bf16/f16, two errors in one row."""
+    m, n = y.shape
+    bad = np.array(y)
+    for r in range(0, m, 4):
+        bad[r, rng.integers(n)] += 1e3 * rng.choice([-1, 1])
+    bad[1, 3] = np.nan
+    bad[2, n - 1] = np.inf
+    bad[3, 0] = 3.4e38  # finite in f32, Inf once cast to bf16 or f16
+    bad[5, 1] = np.nan
+    bad[5, n // 2] = -np.inf
+    bad[6, 2] += 50.0
+    bad[6, n - 2] -= 7.0
+    bad[7, 0] = bad[7, 1] = 3.4e38  # two in one block: detected, not located, gated where they overflow
+    return jnp.asarray(bad)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block_n", [None, 32, 128])
+@pytest.mark.parametrize(("gate", "limit"), [(True, None), (True, 40.0), (False, None)])
+def test_native_equals_reference(out_dtype, block_n, gate, limit):
+    rng = np.random.default_rng(7)
+    y, c, mag = _gemm(rng, 24, 64, 200, block_n)
+    bad = _faulty(rng, y)
+    kw = dict(k=64, block_n=block_n, out_dtype=out_dtype, gate=gate, fill=-1.0, limit=limit)
+    o_n, f_n, n_n = ops.abft_finish(bad, c, mag, impl="native", **kw)
+    o_r, f_r, n_r = ops.abft_finish(bad, c, mag, impl="reference", **kw)
+    assert o_n.dtype == out_dtype and o_n.shape == y.shape and n_n.shape == (24,)
+    assert np.array_equal(np.asarray(f_n), np.asarray(f_r))
+    assert np.array_equal(np.asarray(n_n), np.asarray(n_r))
+    assert (np.asarray(f_n) == ops.ABFT_CORRECTED).any() and (np.asarray(f_n) == ops.ABFT_DETECTED).any()
+    if gate and (out_dtype != jnp.float32 or limit is not None):
+        assert np.asarray(n_n)[7] == 2
+    # Rebuilt values differ by the sums' rounding (f64 native, f32 reference) before the cast.
+    a, b = np.asarray(o_n, np.float32), np.asarray(o_r, np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+
+
+def test_clean_output_is_the_cast_and_nothing_is_counted():
+    y, c, mag = _gemm(np.random.default_rng(8), 16, 96, 384, 128)
+    for impl in ("native", "reference"):
+        out, flags, counts = ops.abft_finish(y, c, mag, k=96, block_n=128, out_dtype=jnp.bfloat16, impl=impl)
+        assert np.asarray(out).tobytes() == np.asarray(y.astype(jnp.bfloat16)).tobytes()
+        assert not np.asarray(flags).any() and not np.asarray(counts).any()
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_a_located_nan_is_rebuilt_not_gated_and_two_are_gated(impl):
+    y, c, mag = _gemm(np.random.default_rng(9), 4, 32, 64, None)
+    bad = y.at[0, 5].set(jnp.nan).at[1, 7].set(jnp.nan).at[1, 9].set(jnp.inf)
+    out, flags, counts = ops.abft_finish(bad, c, mag, k=32, out_dtype=jnp.bfloat16, fill=0.0, impl=impl)
+    assert np.asarray(flags)[:, 0].tolist() == [ops.ABFT_CORRECTED, ops.ABFT_DETECTED, 0, 0]
+    assert np.asarray(counts).tolist() == [0, 2, 0, 0]  # the rebuilt NaN is a value again, not gated
+    assert abs(float(out[0, 5]) - float(y[0, 5])) <= 1e-2 * (1 + abs(float(y[0, 5])))
+    assert float(out[1, 7]) == 0.0 and float(out[1, 9]) == 0.0
+
+
+def test_protected_matmul_gates_in_the_same_pass():
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((8, 32)), jnp.bfloat16)
+    w = jnp.asarray(np.random.default_rng(11).standard_normal((32, 256)) / 6, jnp.bfloat16)
+    y, report = ops.protected_matmul(x, w)
+    want = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16 and np.asarray(y).tobytes() == np.asarray(want).tobytes()
+    assert int(report.gemm_detected) == 0 and int(report.nonfinite_gated) == 0
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("block_n", [None, 128])
+def test_split_checks_match_the_f32_checks(block_n, jit):
+    """bf16 x: the checks ride on bf16 GEMMs of split checksum columns; they equal the f32 ones,
+    also under jit (where XLA may elide a bf16 round trip: the split uses bit arithmetic)."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((32, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((512, 384)) / 20, jnp.bfloat16)
+    enc = ops.abft_encode(w, block_n)
+    c, mag = (jax.jit(ops.abft_checks) if jit else ops.abft_checks)(x, enc)
+    xf = x.astype(jnp.float32)
+    nb = enc.abs_sums.shape[-1]
+    c_want = jnp.matmul(xf, enc.sums.reshape(512, nb * 2), precision=HI).reshape(32, nb, 2)
+    mag_want = jnp.matmul(jnp.abs(xf), enc.abs_sums, precision=HI)
+    # Both are f32 sums of the same exact products: they differ by accumulation rounding, far
+    # inside the detection bound (lam * u * sqrt(K) * mag = 8 * 6e-8 * 23 * mag = 1.1e-5 mag).
+    assert np.all(np.abs(np.asarray(c - c_want)) <= 1e-6 * np.asarray(mag_want)[..., None] * 512**0.5)
+    np.testing.assert_allclose(np.asarray(mag), np.asarray(mag_want), rtol=1e-4)
+
+
+def test_bad_input():
+    y, c, mag = jnp.zeros((2, 8)), jnp.zeros((2, 1, 2)), jnp.zeros((2, 1))
+    with pytest.raises(ValueError, match=r"out_dtype=int32; expected float32, bfloat16 or float16"):
+        ops.abft_finish(y, c, mag, k=1, out_dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"limit=-1.0; expected None or a number >= 0"):
+        ops.abft_finish(y, c, mag, k=1, limit=-1.0)
+    with pytest.raises(ValueError, match=r"checks has float32 \(2, 2, 2\); expected float32 \(2, 1, 2\)"):
+        ops.abft_finish(y, jnp.zeros((2, 2, 2)), mag, k=1)
+    with pytest.raises(TypeError, match=r"y has dtype int32"):
+        ops.abft_finish(y.astype(jnp.int32), c, mag, k=1)
+
+
+def test_split_parts_are_exact_bf16_values_that_sum_to_the_f32_value():
+    from pimlayers.ops._abft import _bf16_head
+
+    v = jnp.asarray(
+        np.random.default_rng(13).standard_normal(4096) * 10.0 ** np.arange(-8, 8).repeat(256), jnp.float32
+    )
+
+    @jax.jit
+    def split(v):
+        parts, rest = [], v
+        for _ in range(3):
+            head = _bf16_head(rest)
+            parts.append(head)
+            rest = rest - head
+        return jnp.stack(parts), rest
+
+    parts, rest = split(v)
+    # Each part is a bf16 value (its low 16 bits are zero) within half a bf16 ulp (2^-8 relative)
+    # of what it rounds: after three parts the residual is at most 2^-24 of the value.
+    assert not (np.asarray(parts).view(np.uint32) & 0xFFFF).any()
+    assert np.all(np.abs(np.asarray(rest)) <= 2.0**-24 * np.abs(np.asarray(v)))
+    total = np.asarray(parts, np.float64).sum(0) + np.asarray(rest, np.float64)
+    assert np.array_equal(total, np.asarray(v, np.float64))
