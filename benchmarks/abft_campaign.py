@@ -15,10 +15,11 @@ import numpy as np
 from tqdm import tqdm
 
 from pimlayers import ops
-from pimlayers.faults import GemmFaults
+from pimlayers.faults import FaultPolicy, GemmFaults
 
 HI = jax.lax.Precision.HIGHEST
 LLAMA = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
+ROW = FaultPolicy(block_n=None)  # whole-row checksums: the campaign's bound (_bound) is per row
 
 
 def _bound(mag, k, n, lam=8.0):
@@ -33,7 +34,9 @@ def false_positives(rng, per_shape=2500, batch=50) -> dict:
     for k, n, dtype, m in tqdm(cases, desc="clean GEMMs", unit="shape"):
         w = (jax.random.normal(jax.random.key(k * n), (k, n)) / np.sqrt(k)).astype(dtype)
         enc = ops.abft_encode(w)
-        f = jax.jit(jax.vmap(lambda a, w=w, enc=enc: ops.protected_matmul(a, w, enc)[1].gemm_detected))
+        f = jax.jit(
+            jax.vmap(lambda a, w=w, enc=enc: ops.protected_matmul(a, w, enc, policy=ROW)[1].gemm_detected)
+        )
         for b in range(per_shape // batch):
             scale = 10.0 ** rng.uniform(-3, 3)
             x = (jax.random.normal(jax.random.key(b), (batch, m, k)) * scale).astype(dtype)
@@ -56,7 +59,9 @@ def coverage(rng, shapes=4, scales=4, per_run=256) -> dict:
         w = (jax.random.normal(jax.random.key(t + 999), (k, n)) / np.sqrt(k)).astype(dtype)
         enc = ops.abft_encode(w)
         run = jax.jit(
-            jax.vmap(lambda a, fl, w=w, enc=enc: ops.protected_matmul(a, w, enc, faults=fl), (None, 0))
+            jax.vmap(
+                lambda a, fl, w=w, enc=enc: ops.protected_matmul(a, w, enc, policy=ROW, faults=fl), (None, 0)
+            )
         )
         for s in range(scales):
             lo, hi = (-3, 3) if dtype != jnp.float16 else (-2, 1)  # f16 overflows past ~6e4

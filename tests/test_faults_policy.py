@@ -26,7 +26,7 @@ def test_defaults_and_properties():
         0.0,
         None,
         8.0,
-        None,
+        128,
     )
     assert p.recompute and p.skip_on_uncorrectable
     assert p.enabled and p.corrects

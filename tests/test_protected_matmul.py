@@ -8,9 +8,10 @@ from helpers import TraceCounter
 
 import pimlayers as pl
 from pimlayers import ops
-from pimlayers.faults import GemmFaults
+from pimlayers.faults import FaultPolicy, GemmFaults
 
 HI = jax.lax.Precision.HIGHEST
+ROW = FaultPolicy(block_n=None)  # whole-row checksums, where a test bounds errors per row
 
 
 def _xw(m, k, n, dtype=jnp.float32, scale=1.0, seed=0):
@@ -182,9 +183,9 @@ def test_seeded_campaign_every_error_above_the_bound_is_caught():
         bound = 8 * 2.0**-24 * (np.sqrt(k) + np.sqrt(n) + 2) * np.asarray(mag)[:, 0]
         keys = jax.random.split(jax.random.key(trial), 250)
         faults = jax.vmap(lambda kk, m=m, n=n: GemmFaults.random(kk, (m, n), 1, 1.0))(keys)
-        ys, rs = jax.jit(jax.vmap(lambda fl, x=x, w=w, enc=enc: ops.protected_matmul(x, w, enc, faults=fl)))(
-            faults
-        )
+        ys, rs = jax.jit(
+            jax.vmap(lambda fl, x=x, w=w, enc=enc: ops.protected_matmul(x, w, enc, policy=ROW, faults=fl))
+        )(faults)
         rows, cols = np.asarray(faults.rows[:, 0]), np.asarray(faults.cols[:, 0])
         bits = np.asarray(faults.bits[:, 0]).astype(np.uint32)
         hit = (clean[rows, cols].view(np.uint32) ^ (np.uint32(1) << bits)).view(np.float32)
@@ -206,5 +207,5 @@ def test_bad_input():
         ops.protected_matmul(x, w[:7])
     with pytest.raises(TypeError, match=r"x has dtype int32"):
         ops.protected_matmul(jnp.ones((4, 8), jnp.int32), w)
-    with pytest.raises(ValueError, match=r"re-encode w with abft_encode\(w, block_n=None\)"):
+    with pytest.raises(ValueError, match=r"re-encode w with abft_encode\(w, block_n=128\)"):
         ops.protected_matmul(x, w, ops.abft_encode(w, 2))

@@ -32,7 +32,11 @@ class FaultPolicy:
     # probability at most 2·exp(-λ²/2). λ = 8 gives ≈ 2.5e-14, so false alarms stay negligible even over
     # ~1e12 checked dot products per run; smaller λ catches smaller corruptions but alarms more often.
     lam: float = 8.0
-    block_n: int | None = None  # ABFT column-block width; None checks a whole output row as one block.
+    # ABFT column-block width; None checks a whole output row as one block. 128 by default: a whole row
+    # of N = 14336 has a rounding bound of ~67 (an exponent flip of a value ~2 passes), 128 columns ~0.24;
+    # measured on an H200 (docs/benchmarks.md, 2026-11-30) it costs 0-9% more than whole rows at the
+    # Llama-3-8B MLP shapes and ~27% at 4096 -> 1024.
+    block_n: int | None = 128
     recompute: bool = True  # Recompute (rare `lax.cond` slow path) a GEMM whose error could not be located.
     skip_on_uncorrectable: bool = (
         True  # `pimlayers.optim.fault_aware` skips a step with uncorrectable faults.
