@@ -36,6 +36,11 @@ def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
     inj, g, m = s["injected"], s["gemm"], s["memory"]
     assert inj["gemm_injected"] == 12 and g["gemm_detected"] == 12 and g["gemm_uncorrectable"] == 0
     assert g["gemm_corrected"] >= 12
+    # Forward and backward GEMMs are both counted: per step, each of the 2 layers runs q, k, v, o,
+    # gate, up, down (1 each) and the two attention GEMMs (batch 8 x 2 KV heads each), plus the
+    # LM head; the backward pass checks dx and dw for every one of them (read from the FaultTaps).
+    forward = 2 * (7 + 2 * 8 * 2) + 1
+    assert g["gemm_checked"] == 12 * 3 * forward
     assert inj["flips"] == 9 and m["banks_faulty"] == 9 and m["banks_repaired"] == 9
     assert m["banks_uncorrectable"] == 0
     assert inj["nan_bursts"] > 0 and inj["skipped"] == inj["nan_bursts"]

@@ -233,8 +233,15 @@ def train(cfg: TrainConfig) -> dict:
         def loss_fn(mm):
             return _xent(mm(batch[:, :-1]), batch[:, 1:]), pnnx.fault_report(mm)
 
-        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True, argnums=nnx.DiffState(0, nnx.Param))
+        # Protected: also differentiate the layers' FaultTap zeros, whose gradient is the backward
+        # GEMMs' report (dx, dw), so a backward fault is counted and an uncorrectable one skips the
+        # step like a forward one (before, backward faults were corrected but never counted).
+        wrt = (nnx.Param, pnnx.FaultTap) if cfg.protect else nnx.Param
+        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True, argnums=nnx.DiffState(0, wrt))
         (loss, report), grads = grad_fn(m)
+        if cfg.protect:
+            report = report + pnnx.backward_report(grads)
+            grads = nnx.state(grads, nnx.Param)
         nan = jax.random.uniform(kn) < cfg.nan_rate
         grads = jax.tree.map(lambda g: jnp.where(nan, jnp.asarray(jnp.nan, g.dtype), g), grads)
         updates, opt_state = tx.update(grads, opt_state, params, report=report)
