@@ -64,3 +64,25 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     assert on["banks_repaired"] > 0 and on["uncorrectable"] == 0
     assert on["gemm_corrected"] >= on["gemm_injected"]
     assert on["tokens_per_s"] > 0 and off["on_over_off"] == 1.0
+
+
+def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import profile
+    from pimlayers import ops
+
+    x, w = jnp.ones((64, 128)), jnp.ones((128, 256)) / 128
+    f = jax.jit(lambda a, b: ops.protected_matmul(a, b)[0])
+    f(x, w).block_until_ready()
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True, profiler_options=opts):
+        for _ in range(3):
+            f(x, w).block_until_ready()
+    s = profile.summarize(tmp_path, top=50)
+    names = [r["name"] for r in s["kernels"]]
+    assert s["timeline"] == "host" and s["total_ms"] > 0
+    assert any(n.startswith(("custom-call", "ffi_call")) for n in names), names  # abft_finish ran
+    assert abs(sum(r["share"] for r in s["kernels"]) - 1.0) < 1e-6 or len(names) == 50

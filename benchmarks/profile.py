@@ -1,0 +1,116 @@
+"""Where a training step's device time goes: a few steps of the training script under the JAX
+profiler, the device's kernels summed by name and by the JAX scope that launched them.
+
+python -m benchmarks.profile --layers 2 --protect          # one GPU, Llama-3-8B dims, T = 8192
+python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect   # a CPU smoke run
+
+Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) with each entry's
+share of the summed device time, and writes them as JSON next to the trace (``--out``). On a CPU
+there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
+and Python frames left out): good enough to see the ops, not a GPU measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import tempfile
+
+import jax
+
+from train.llama3 import TrainConfig, train
+
+
+def _events(trace_dir: pathlib.Path) -> tuple[list[dict], dict[int, str]]:
+    files = sorted(trace_dir.glob("**/*.trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}: did the profiler run?")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    return events, procs
+
+
+def _scope(e: dict) -> str:
+    """The JAX scope of a kernel event: the named scopes of its HLO op's metadata, where recorded."""
+    args = e.get("args", {})
+    for key in ("tf_op", "long_name", "hlo_op"):
+        v = args.get(key)
+        if isinstance(v, str) and v:
+            parts = [
+                p for p in v.split("/") if p and not p.startswith(("jit(", "pjit(", "jvp(", "transpose("))
+            ]
+            return "/".join(parts[:2]) if parts else v
+    return "(no scope recorded)"
+
+
+def summarize(trace_dir: pathlib.Path, top: int = 25) -> dict:
+    """Sum the trace's device kernels (or, with no device timeline, the host's XLA ops)."""
+    events, procs = _events(trace_dir)
+    device = {pid for pid, name in procs.items() if "/device:" in name}
+    by_name: collections.Counter = collections.Counter()
+    by_scope: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if (e["pid"] not in device) if device else ("hlo_op" not in e.get("args", {})):
+            continue  # host work (on a CPU: everything but XLA's ops)
+        dur = float(e.get("dur", 0.0))
+        by_name[e["name"]] += dur
+        by_scope[_scope(e)] += dur
+    total = sum(by_name.values()) or 1.0
+
+    def table(c: collections.Counter) -> list[dict]:
+        return [dict(name=k, ms=v / 1e3, share=v / total) for k, v in c.most_common(top)]
+
+    return dict(
+        timeline="device" if device else "host",
+        total_ms=total / 1e3,
+        kernels=table(by_name),
+        scopes=table(by_scope),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="llama3_8b")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3, help="steps traced (after one untraced step)")
+    ap.add_argument("--protect", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--out", default="", help="folder for the trace and summary.json (default: a temporary one)"
+    )
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
+    n = len(jax.devices())
+    cfg = dict(
+        config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,
+        remat=True, devices=n, eval_every=10**9, eval_windows=n, warmup=1, protect=args.protect,
+        flip_every=0, gemm_fault_rate=0.0, nan_rate=0.0, quiet=True,
+    )  # fmt: skip
+    train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))  # compiles outside the trace
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)
+    with jax.profiler.trace(str(out / "trace"), create_perfetto_trace=True, profiler_options=opts):
+        train(TrainConfig(steps=args.steps, out_dir=str(out / "run"), **cfg))
+    s = summarize(out / "trace", args.top)
+    s.update(command=f"python -m benchmarks.profile {' '.join(f'--{k} {v}' for k, v in vars(args).items())}")
+    (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    print(f"{s['timeline']} time summed: {s['total_ms']:.1f} ms over {args.steps} steps ({out})")
+    for title, rows in (("kernels", s["kernels"]), ("scopes", s["scopes"])):
+        print(f"\n{title}:")
+        for r in rows:
+            print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
