@@ -180,21 +180,23 @@ def abft_check_reference(y, checks, mag, k: int, block_n: int, lam: float, u: fl
     return out, flag
 
 
-def _native(y, checks, mag, k, block_n, lam, u, correct):
-    out = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(mag.shape, jnp.int32))
-    call = jax.ffi.ffi_call(
-        "pimlayers_abft_check", out, vmap_method="broadcast_all", input_output_aliases={0: 0}
-    )
-    return call(
-        y,
-        checks,
-        mag,
+def _check_attrs(k, block_n, lam, u, correct) -> dict:
+    """The attributes both native checks take (typed as their handlers bind them)."""
+    return dict(
         block_n=np.int64(block_n),
         k=np.int64(k),
         unit_roundoff=np.float32(u),
         lam=np.float32(lam),
         correct=np.bool_(correct),
     )
+
+
+def _native(y, checks, mag, k, block_n, lam, u, correct):
+    out = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(mag.shape, jnp.int32))
+    call = jax.ffi.ffi_call(
+        "pimlayers_abft_check", out, vmap_method="broadcast_all", input_output_aliases={0: 0}
+    )
+    return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct))
 
 
 def abft_check(
@@ -274,19 +276,8 @@ def _finish_native(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate,
         jax.ShapeDtypeStruct(y.shape[:-1], jnp.int32),
     )
     call = jax.ffi.ffi_call("pimlayers_abft_finish", out, vmap_method="broadcast_all")
-    return call(
-        y,
-        checks,
-        mag,
-        block_n=np.int64(block_n),
-        k=np.int64(k),
-        unit_roundoff=np.float32(u),
-        lam=np.float32(lam),
-        correct=np.bool_(correct),
-        gate=np.bool_(gate),
-        fill=np.float32(fill),
-        limit=np.float32(limit),
-    )
+    gated = dict(gate=np.bool_(gate), fill=np.float32(fill), limit=np.float32(limit))
+    return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct), **gated)
 
 
 def abft_finish(
