@@ -124,7 +124,7 @@ inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer&
                                   const ffi::AnyBuffer& mag, int64_t block_n, int64_t k,
                                   std::optional<ffi::AnyBuffer> y_out, const ffi::AnyBuffer& flags,
                                   FloatKind* kind, int64_t* rows, int64_t* n, int64_t* nb) {
-  const std::string op = "abft_check";
+  const std::string op = y_out ? "abft_check" : "abft_finish";  // abft_finish passes no y_out
   if (!ToFloatKind(y.element_type(), kind)) {
     return BadArg(op, std::string("y has dtype ") + DtypeName(y.element_type()) +
                           "; expected float32, bfloat16 or float16");
