@@ -6,6 +6,7 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlGateCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankChecksumsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCpu);
@@ -26,6 +27,7 @@ PYBIND11_MODULE(_pimlayers_cpu, m) {
     d["pimlayers_bank_checksums"] = Capsule(PlBankChecksumsCpu);
     d["pimlayers_parity"] = Capsule(PlParityCpu);
     d["pimlayers_reconstruct"] = Capsule(PlReconstructCpu);
+    d["pimlayers_bank_guard"] = Capsule(PlBankGuardCpu);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCpu);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCpu);
     d["pimlayers_pim_gemv"] = Capsule(PlPimGemvCpu);

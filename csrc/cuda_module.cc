@@ -6,6 +6,7 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlGateCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankChecksumsCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCuda);
@@ -26,6 +27,7 @@ PYBIND11_MODULE(_pimlayers_cuda, m) {
     d["pimlayers_bank_checksums"] = Capsule(PlBankChecksumsCuda);
     d["pimlayers_parity"] = Capsule(PlParityCuda);
     d["pimlayers_reconstruct"] = Capsule(PlReconstructCuda);
+    d["pimlayers_bank_guard"] = Capsule(PlBankGuardCuda);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCuda);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCuda);
     d["pimlayers_pim_gemv"] = Capsule(PlPimGemvCuda);

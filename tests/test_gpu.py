@@ -124,3 +124,32 @@ def test_abft_finish(gpu, m, k, n, block_n, in_dtype, out_dtype):
     clean, f_c, n_c = ops.abft_finish(y, c, mag, impl="native", **kw)
     assert not np.asarray(f_c).any() and not np.asarray(n_c).any()
     assert np.asarray(clean).tobytes() == np.asarray(y.astype(out_dtype)).tobytes()
+
+
+# bank_guard at the store's scale (64 MiB) and ragged sizes. Banks of 4112 bytes take two chunks
+# (sums added atomically), 2^18 bytes 64 chunks, 16 bytes one part-idle warp.
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16])
+@pytest.mark.parametrize("nbytes", [2, 4098, (1 << 20) + 6, 1 << 26])
+@pytest.mark.parametrize(("bank", "group"), [(16, 3), (4096, 8), (4112, 3), (1 << 18, 2)])
+def test_bank_guard(gpu, dtype, nbytes, bank, group):
+    x_host = random_array(np.random.default_rng(nbytes + bank), (nbytes // jnp.dtype(dtype).itemsize,), dtype)
+    x = _on(gpu, x_host)
+    kw = dict(bank_bytes=bank, group=group, parity_sums=True)
+    got = jax.jit(lambda a: ops.bank_guard(a, **kw, impl="native"))(x)
+    ref = jax.jit(lambda a: ops.bank_guard(a, **kw, impl="reference"))(x)
+    auto = jax.jit(lambda a: ops.bank_guard(a, **kw))(x)  # the separate ops for banks under 2 KiB
+    for g, r, a in zip(got, ref, auto, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(r)) and np.array_equal(np.asarray(a), np.asarray(r))
+    if nbytes < 1 << 21:  # the CPU handler agrees too
+        cpu = ops.bank_guard(jax.device_put(x_host, jax.devices("cpu")[0]), **kw, impl="native")
+        assert all(np.array_equal(np.asarray(g), np.asarray(c)) for g, c in zip(got, cpu, strict=True))
+
+
+def test_bank_guard_vmap_unaligned_examples(gpu):
+    # 77 float32 = 308 bytes per example: every example after the first starts off a 16-byte boundary.
+    x = _on(gpu, random_array(np.random.default_rng(12), (5, 77), jnp.float32))
+    kw = dict(bank_bytes=32, group=3, parity_sums=True)
+    got = jax.jit(jax.vmap(lambda a: ops.bank_guard(a, **kw, impl="native")))(x)
+    ref = jax.jit(jax.vmap(lambda a: ops.bank_guard(a, **kw, impl="reference")))(x)
+    for g, r in zip(got, ref, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(r))

@@ -14,6 +14,7 @@ def test_cpu_handlers_loaded_with_every_op():
         "pimlayers_gate",
         "pimlayers_bank_checksums",
         "pimlayers_parity",
+        "pimlayers_bank_guard",
         "pimlayers_reconstruct",
         "pimlayers_abft_check",
         "pimlayers_abft_finish",

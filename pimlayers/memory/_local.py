@@ -8,6 +8,8 @@ leaf where it lies. Per leaf, one device keeps:
 - ``psums``  uint32 (groups, 2): the checksum of each parity block, so a flipped parity bit is found
   and refreshed rather than used to "repair" good data.
 
+All three are written together by ``ops.bank_guard`` in one read of the leaf (encode on write).
+
 Stripe and group counts are per leaf; the fault tables of a leaf are boolean masks of those lengths.
 """
 
@@ -30,9 +32,8 @@ class LeafGuard(NamedTuple):
 
 
 def encode_leaf(x, geo: BankGeometry) -> LeafGuard:
-    s, g = geo.stripe_bytes, geo.group
-    par = ops.parity(x, bank_bytes=s, group=g)
-    return LeafGuard(ops.bank_checksums(x, bank_bytes=s), par, ops.bank_checksums(par, bank_bytes=s))
+    """Checksums, parity and parity checksums of x: one read of x (``ops.bank_guard``)."""
+    return LeafGuard(*ops.bank_guard(x, bank_bytes=geo.stripe_bytes, group=geo.group, parity_sums=True))
 
 
 def check_leaf(x, guard: LeafGuard, geo: BankGeometry) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -74,7 +75,8 @@ def repair_leaf(x, guard: LeafGuard, old_sums, bad, bad_par, geo: BankGeometry) 
     lost = jnp.where(rebuild, jnp.argmax(gbad, axis=1).astype(jnp.int32), jnp.int32(-1))
     dead_group = (nbad >= 2) | ((nbad == 1) & bad_par)
     x2 = ops.reconstruct(x, guard.parity, lost, bank_bytes=s, group=g)
-    new_sums = ops.bank_checksums(x2, bank_bytes=s)
+    # One read of x2 for its checksums, its parity and that parity's checksums (used where refreshed).
+    new_sums, fresh, fresh_psums = ops.bank_guard(x2, bank_bytes=s, group=g, parity_sums=True)
     rebuilt = bad & jnp.repeat(rebuild, g, total_repeat_length=ng * g)[:ns]
     verified = jnp.all(new_sums == guard.sums, axis=-1)
     entry_flip = jnp.all(new_sums == old_sums, axis=-1)  # the data was right; the entry was not
@@ -84,9 +86,8 @@ def repair_leaf(x, guard: LeafGuard, old_sums, bad, bad_par, geo: BankGeometry) 
     sums = jnp.where(keep_old[:, None], guard.sums, new_sums)
     # A faulty parity block over clean data is recomputed; over faulty data it is all we have, kept.
     refresh = bad_par & (nbad == 0)
-    fresh = ops.parity(x2, bank_bytes=s, group=g)
     par = jnp.where(refresh[:, None], fresh, guard.parity)
-    psums = jnp.where(refresh[:, None], ops.bank_checksums(par, bank_bytes=s), guard.psums)
+    psums = jnp.where(refresh[:, None], fresh_psums, guard.psums)  # a parity row's checksum is per row
     faulty = jnp.sum(bad, dtype=jnp.int32) + jnp.sum(bad_par, dtype=jnp.int32)
     repaired = jnp.sum(good_rebuild, dtype=jnp.int32) + jnp.sum(refresh, dtype=jnp.int32)
     return LeafRepair(x2, LeafGuard(sums, par, psums), faulty, repaired, faulty - repaired, left_bad)

@@ -1,5 +1,5 @@
-"""Native ops with pure-JAX twins: the insulation gate, bank checksums, parity, ABFT checks, the
-banked (PIM) GEMV."""
+"""Native ops with pure-JAX twins: the insulation gate, bank checksums, parity (and both in one read:
+bank_guard), ABFT checks, the banked (PIM) GEMV."""
 
 from ._abft import ABFT_CLEAN as ABFT_CLEAN
 from ._abft import ABFT_CORRECTED as ABFT_CORRECTED
@@ -16,6 +16,8 @@ from ._checksum import bank_checksums_reference as bank_checksums_reference
 from ._checksum import num_banks as num_banks
 from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
+from ._guard import bank_guard as bank_guard
+from ._guard import bank_guard_reference as bank_guard_reference
 from ._parity import num_groups as num_groups
 from ._parity import parity as parity
 from ._parity import parity_reference as parity_reference

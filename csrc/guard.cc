@@ -1,0 +1,82 @@
+// CPU handler of bank_guard: per parity group, each member bank is read once, in blocks that stay
+// in L1, for its XOR into the group's parity row and its checksum; then the parity row's checksum.
+#include "guard.h"
+
+#include <cstring>
+
+namespace pimlayers {
+namespace {
+
+constexpr int64_t kBlock = 4096;  // bytes per pass; even, so a block starts on a word
+
+// Adds to (a, b) the checksum terms (common.h) of bytes p[0, n) of a bank, whose first word is word
+// w0 of the bank; a and b stay reduced mod p. n is even except for the last bytes of a bank.
+void ChecksumBlock(const uint8_t* p, int64_t n, int64_t w0, uint64_t* a, uint64_t* b) {
+  uint64_t sa = 0, sb = 0;  // sb weights words by block position k + 1: below 2048^2 * 2^16 = 2^38
+  const int64_t whole = n / 2;
+  for (int64_t k = 0; k < whole; ++k) {
+    uint64_t h = p[2 * k] | (static_cast<uint32_t>(p[2 * k + 1]) << 8);
+    sa += h;
+    sb += static_cast<uint64_t>(k + 1) * h;
+  }
+  if (n % 2) {  // a missing high byte reads as 0
+    sa += p[n - 1];
+    sb += static_cast<uint64_t>(whole + 1) * p[n - 1];
+  }
+  // Word k's weight in the bank is w0 + k + 1: the block adds sb + w0 * sa (< 2^30 * 2^27 + 2^38).
+  *a = ModM31(*a + sa);
+  *b = ModM31(*b + sb + static_cast<uint64_t>(w0) * sa);
+}
+
+ffi::Error GuardCpu(ffi::AnyBuffer x, int64_t bank_bytes, int64_t group,
+                    ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> parity,
+                    ffi::Result<ffi::AnyBuffer> psums) {
+  ParityLayout P;
+  if (auto e = MakeGuardLayout(x, *sums, *parity, *psums, bank_bytes, group, &P); e.failure())
+    return e;
+  const BankLayout& L = P.banks;
+  const uint8_t* in = static_cast<const uint8_t*>(x.untyped_data());
+  uint32_t* so = static_cast<uint32_t*>(sums->untyped_data());
+  uint8_t* po = static_cast<uint8_t*>(parity->untyped_data());
+  uint32_t* pso = static_cast<uint32_t*>(psums->untyped_data());
+  for (int64_t e = 0; e < L.batch; ++e) {
+    const uint8_t* ex = in + e * L.bytes;
+    for (int64_t g = 0; g < P.ngroups; ++g) {
+      const int64_t eg = e * P.ngroups + g;
+      uint8_t* row = po + eg * bank_bytes;
+      std::memset(row, 0, bank_bytes);
+      for (int64_t b = g * group; b < (g + 1) * group && b < L.nbanks; ++b) {
+        const int64_t off = b * bank_bytes;
+        const int64_t n = L.bytes - off < bank_bytes ? L.bytes - off : bank_bytes;
+        const uint8_t* src = ex + off;
+        uint64_t s1 = 0, s2 = 0;
+        for (int64_t j = 0; j < n; j += kBlock) {
+          const int64_t len = n - j < kBlock ? n - j : kBlock;
+          for (int64_t k = 0; k < len; ++k) row[j + k] ^= src[j + k];
+          ChecksumBlock(src + j, len, j / 2, &s1, &s2);
+        }
+        so[2 * (e * L.nbanks + b)] = static_cast<uint32_t>(s1);
+        so[2 * (e * L.nbanks + b) + 1] = static_cast<uint32_t>(s2);
+      }
+      uint64_t s1 = 0, s2 = 0;
+      for (int64_t j = 0; j < bank_bytes; j += kBlock) {
+        ChecksumBlock(row + j, bank_bytes - j < kBlock ? bank_bytes - j : kBlock, j / 2, &s1, &s2);
+      }
+      pso[2 * eg] = static_cast<uint32_t>(s1);
+      pso[2 * eg + 1] = static_cast<uint32_t>(s2);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pimlayers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankGuardCpu, pimlayers::GuardCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()    // x: any byte-addressable array
+                                  .Attr<int64_t>("bank_bytes")   // bank size, multiple of 16
+                                  .Attr<int64_t>("group")        // banks per parity group
+                                  .Ret<xla::ffi::AnyBuffer>()    // sums: (..., nbanks, 2) u32
+                                  .Ret<xla::ffi::AnyBuffer>()    // parity: (..., ngroups, bank) u8
+                                  .Ret<xla::ffi::AnyBuffer>());  // parity sums: (..., ngroups, 2)
