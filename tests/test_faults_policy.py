@@ -42,6 +42,7 @@ def test_defaults_and_properties():
         "lam",
         "block_n",
         "recompute",
+        "recompute_blocks",
         "skip_on_uncorrectable",
     ]
 
@@ -59,6 +60,13 @@ def test_false_alarm_bound_follows_higham_mary():
         ({"mode": 1}, TypeError, r"mode must be a str.*got 1"),
         ({"gate": 1}, TypeError, r"gate must be a bool; got int 1"),
         ({"recompute": "yes"}, TypeError, r"recompute must be a bool; got str 'yes'"),
+        ({"recompute_blocks": 0}, ValueError, r"recompute_blocks must be an int >= 1 or None; got 0"),
+        (
+            {"recompute_blocks": 2.0},
+            TypeError,
+            r"recompute_blocks must be an int >= 1 or None .*got float 2.0",
+        ),
+        ({"recompute_blocks": 8, "block_n": None}, ValueError, r"recompute_blocks=8 .*needs block_n"),
         ({"skip_on_uncorrectable": None}, TypeError, r"skip_on_uncorrectable must be a bool"),
         ({"gate_fill": float("nan")}, ValueError, r"gate_fill must be finite; got nan"),
         ({"gate_fill": True}, TypeError, r"gate_fill must be a Python float"),

@@ -1,5 +1,7 @@
 """protected_matmul: equal to the plain product, faults detected/corrected/recomputed, never silent."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,101 @@ def test_a_fused_low_precision_operand_is_checked_as_the_gemm_saw_it(dtype):
     back = ops.report_from_tap(dtap)
     assert int(rep.gemm_checked) == 3 and int(back.gemm_checked) == 6
     assert int(rep.gemm_detected) == 0 and int(back.gemm_detected) == 0
+
+
+def _flip(v: float, bit: int) -> float:
+    flipped = np.float32(v).view(np.uint32) ^ np.uint32(1 << bit)
+    return float(np.frombuffer(flipped.tobytes(), np.float32)[0])
+
+
+def _pairs(row, cols, bits):
+    k = len(cols)
+    as32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return GemmFaults(jnp.full((k,), row, jnp.int32), as32(cols), as32(bits), jnp.ones((k,), bool))
+
+
+def _undecidable(x, w, policy, row, lo, hi):
+    """Two sites in columns [lo, hi) of ``row`` and bits whose flips the check detects but cannot
+    locate (checked with ``abft_check``): such a block must be recomputed. Two errors of one size
+    can pass for one error midway between them, so the search confirms each candidate."""
+    enc = ops.abft_encode(w, policy.block_n)
+    c, mag = ops.abft_checks(x, enc)
+    clean = np.asarray(_plain(x, w))
+    top = [int(v) for v in np.argsort(-np.abs(clean[row, lo:hi]))[:4] + lo]
+    for i, j in ((0, 1), (0, 2), (1, 2), (0, 3)):
+        cols, bits = (top[i], top[j]), (22, 21)
+        bad = clean.copy()
+        for col, bit in zip(cols, bits, strict=True):
+            bad[row, col] = _flip(bad[row, col], bit)
+        _, flags = ops.abft_check(jnp.asarray(bad), c, mag, k=x.shape[1], block_n=policy.block_n)
+        if int(np.asarray(flags)[row, lo // policy.block_n]) == ops.ABFT_DETECTED:
+            return cols, bits
+    raise AssertionError(f"no undecidable pair of sites found in row {row}, columns {lo}..{hi}")
+
+
+@pytest.mark.parametrize("lo", [0, 96])  # a full block, and the partial last one (96..99)
+def test_unlocatable_blocks_are_recomputed_without_a_branch(lo):
+    x, w = _xw(16, 64, 100)
+    policy = pl.FaultPolicy(block_n=32, recompute_blocks=32)
+    clean = _plain(x, w)
+    cols, bits = _undecidable(x, w, policy, 3, lo, min(lo + 32, 100))
+    f = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=policy, faults=fl))
+    y, r = f(x, w, _pairs(3, cols, bits))
+    d = r.to_dict()
+    counts = ("gemm_detected", "gemm_recomputed", "gemm_corrected", "gemm_uncorrectable")
+    assert tuple(d[c] for c in counts) == (1, 1, 1, 0)
+    assert np.asarray(y).tobytes() == np.asarray(clean).tobytes()  # the redone dot products, bit for bit
+
+    # The block redo takes no branch (no host round trip on a GPU); the default recompute does. (The
+    # native dispatch's platform switch is a cond too, resolved at compile time: count against none.)
+    def conds(p):
+        return str(jax.make_jaxpr(lambda a, b: ops.protected_matmul(a, b, policy=p))(x, w)).count("cond[")
+
+    assert conds(policy) == conds(policy.replace(recompute=False))
+    default = pl.FaultPolicy(block_n=32)
+    assert conds(default) > conds(default.replace(recompute=False))
+    y2, r2 = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=default, faults=fl))(
+        x, w, _pairs(3, cols, bits)
+    )
+    assert r2.to_dict()["gemm_recomputed"] == 1 and np.asarray(y2).tobytes() == np.asarray(clean).tobytes()
+
+
+def test_recompute_capacity_overflow_is_reported_uncorrectable():
+    x, w = _xw(16, 64, 128)
+    policy = pl.FaultPolicy(block_n=32, recompute_blocks=2)  # room for two blocks
+    clean = np.asarray(_plain(x, w))
+    # Three blocks of row 7 with two comparable errors each (undecidable); capacity for two.
+    sites = [_undecidable(x, w, policy, 7, lo, lo + 32) for lo in (0, 32, 64)]
+    faults = _pairs(7, [c for cs, _ in sites for c in cs], [b for _, bs in sites for b in bs])
+    y, r = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=policy, faults=fl))(x, w, faults)
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_recomputed"], d["gemm_uncorrectable"]) == (1, 1, 1)
+    assert d["gemm_corrected"] == 2
+    y = np.asarray(y)
+    assert np.array_equal(y[:, :64], clean[:, :64])  # the first two flagged blocks, redone
+    assert not np.array_equal(y[7, 64:96], clean[7, 64:96])  # the third: left as found, reported
+    assert np.array_equal(np.delete(y, 7, axis=0), np.delete(clean, 7, axis=0))
+
+
+def test_a_recomputed_block_replaces_its_gated_count():
+    """A flip to Inf plus a second error in one block: the first pass gates the Inf and cannot
+    locate; the recompute restores the block, so nothing stays counted as gated."""
+    x, w = _xw(16, 64, 96, seed=3)
+    clean = np.asarray(_plain(x, w))
+    row, col = map(int, np.argwhere((np.abs(clean) >= 1) & (np.abs(clean) < 2))[0])
+    assert not np.isfinite(_flip(clean[row, col], 30))  # exponent 127 -> 255
+    other = (col // 32) * 32 + (col % 32 + 7) % 32  # same block of 32
+    faults = _pairs(row, (col, other), (30, 24))
+    policy = pl.FaultPolicy(block_n=32, recompute_blocks=32)
+    y, r = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=policy, faults=fl))(x, w, faults)
+    d = r.to_dict()
+    assert d["gemm_recomputed"] == 1 and d["gemm_uncorrectable"] == 0 and d["nonfinite_gated"] == 0
+    assert np.asarray(y).tobytes() == clean.tobytes()
+    # Without the recompute the Inf is gated (counted) and the block reported.
+    no = policy.replace(recompute=False)
+    y2, r2 = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=no, faults=fl))(x, w, faults)
+    assert r2.to_dict()["nonfinite_gated"] == 1 and r2.to_dict()["gemm_uncorrectable"] == 1
+    assert np.isfinite(np.asarray(y2)).all()
 
 
 def test_detect_mode_reports_and_does_not_touch():

@@ -37,7 +37,14 @@ class FaultPolicy:
     # measured on an H200 (docs/benchmarks.md, 2026-11-30) it costs 0-9% more than whole rows at the
     # Llama-3-8B MLP shapes and ~27% at 4096 -> 1024.
     block_n: int | None = 128
-    recompute: bool = True  # Recompute (rare `lax.cond` slow path) a GEMM whose error could not be located.
+    recompute: bool = True  # Recompute what a check detected but could not locate (see recompute_blocks).
+    # None (default): the GEMM is recomputed under `lax.cond` when a block could not be located. An int
+    # (with column blocks, block_n set): the GEMM instead redoes up to this many flagged (row, block) dot
+    # products itself, found and gathered with fixed shapes: no branch, so no host round trip (on a GPU
+    # a `lax.cond` costs ~0.2-0.4 ms per GEMM) and no copy of the output; flagged blocks beyond it are
+    # reported uncorrectable (`fault_aware` then skips the step). Not the default: its first version
+    # measured slower than the branch on an H200 (docs/benchmarks.md, matmul-parts, 2026-11-30).
+    recompute_blocks: int | None = None
     skip_on_uncorrectable: bool = (
         True  # `pimlayers.optim.fault_aware` skips a step with uncorrectable faults.
     )
@@ -71,6 +78,21 @@ class FaultPolicy:
             if self.block_n < 1:
                 raise ValueError(f"FaultPolicy.block_n must be an int >= 1 or None; got {self.block_n!r}.")
             self._set("block_n", int(self.block_n))
+        rb = self.recompute_blocks
+        if rb is not None:
+            if isinstance(rb, (bool, np.bool_)) or not isinstance(rb, numbers.Integral):
+                raise TypeError(
+                    f"FaultPolicy.recompute_blocks must be an int >= 1 or None (recompute under "
+                    f"lax.cond); got {type(rb).__name__} {rb!r}."
+                )
+            if rb < 1:
+                raise ValueError(f"FaultPolicy.recompute_blocks must be an int >= 1 or None; got {rb!r}.")
+            if self.block_n is None:
+                raise ValueError(
+                    f"FaultPolicy.recompute_blocks={rb} recomputes column blocks; it needs block_n "
+                    f"(got block_n=None: whole rows recompute under lax.cond, recompute_blocks=None)."
+                )
+            self._set("recompute_blocks", int(rb))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # Normalise a field of the frozen dataclass.

@@ -133,16 +133,26 @@ def _bf16_head(v: Float[Array, ...]) -> Float[Array, ...]:
     return lax.bitcast_convert_type(rounded, jnp.float32)
 
 
-def abft_check_reference(y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool):
-    """Pure-JAX twin of the native check (sums in f32 instead of f64: equal flags away from the bound)."""
+def abft_check_reference(
+    y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool, width=None
+):
+    """Pure-JAX twin of the native check (sums in f32 instead of f64: equal flags away from the bound).
+
+    ``width`` (int32, y's shape with nb for N; optional) overrides each block's column count, for
+    blocks gathered out of a wider product whose last block is partial (the batched recompute).
+    """
     n = y.shape[-1]
     bn, nb = block_n, checks.shape[-2]
     yf = y.astype(jnp.float32)
     yb = jnp.pad(yf, [(0, 0)] * (y.ndim - 1) + [(0, nb * bn - n)]).reshape(*y.shape[:-1], nb, bn)
     lead = (1,) * (y.ndim - 1)  # explicit broadcasting (the suite runs with rank promotion raising)
     col = jnp.arange(bn).reshape(*lead, 1, bn)
-    width = jnp.minimum(bn, n - jnp.arange(nb) * bn).astype(jnp.float32).reshape(*lead, nb)
-    inside = (jnp.arange(nb).reshape(*lead, nb, 1) * bn + col) < n
+    if width is None:
+        width = jnp.minimum(bn, n - jnp.arange(nb) * bn).reshape(*lead, nb)
+        inside = (jnp.arange(nb).reshape(*lead, nb, 1) * bn + col) < n
+    else:
+        inside = col < width[..., None]
+    width = width.astype(jnp.float32)
     nonfinite = ~jnp.isfinite(yb) & inside
     yz = jnp.where(nonfinite | ~inside, 0.0, yb)
     s1 = yz.sum(-1)
@@ -258,9 +268,11 @@ def _check_args(op: str, y, checks, mag, k, block_n, lam, unit_roundoff) -> tupl
     return int(k), bn, float(lam), float(unit_roundoff)
 
 
-def abft_finish_reference(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit):
+def abft_finish_reference(
+    y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit, width=None
+):
     """Pure-JAX twin of the native abft_finish: check and correct, cast, then gate the stored value."""
-    out, flags = abft_check_reference(y, checks, mag, k, block_n, lam, u, correct)
+    out, flags = abft_check_reference(y, checks, mag, k, block_n, lam, u, correct, width)
     out = out.astype(out_dtype)
     if gate:
         out, counts = gate_reference(out, fill, limit)
