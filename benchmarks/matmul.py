@@ -85,7 +85,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
 
     plain (XLA, output in the operands' dtype), the same GEMM with an f32 output (what the check
     reads), the checks (``abft_checks``), ``abft_finish`` on that f32 output, the three in one jit,
-    and ``protected_matmul`` with and without the recompute branch (``lax.cond``).
+    and ``protected_matmul`` with and without its recompute (whole rows: a ``lax.cond`` branch;
+    column blocks: the branch-free gather of up to ``recompute_blocks`` flagged blocks).
     """
     rows = []
     for block_n in block_ns:

@@ -96,6 +96,32 @@ def run(size_mb: int = 1024) -> list[dict]:
         )
     )
 
+    # bank_guard: what encode-on-write stores (checksums, parity, parity checksums) in one read of x,
+    # against the three native ops run separately (two reads of x), as the store did before.
+    fused = jax.jit(lambda a: ops.bank_guard(a, bank_bytes=4096, group=8, parity_sums=True, impl="native"))
+
+    def separate(a):
+        par = ops.parity(a, bank_bytes=4096, group=8, impl="native")
+        sums = ops.bank_checksums(a, bank_bytes=4096, impl="native")
+        return sums, par, ops.bank_checksums(par, bank_bytes=4096, impl="native")
+
+    separate = jax.jit(separate)
+    for got, want in zip(fused(x32), separate(x32), strict=True):
+        _check("bank_guard", got, want)
+    t_n, t_r = time_fn(fused, x32), time_fn(separate, x32)
+    rows.append(
+        dict(
+            op="bank_guard bank=4096 G=8 (+parity sums)",
+            mbytes=size_mb,
+            ms=t_n * 1e3,
+            gbs=pb / t_n / 1e9,
+            peer="bank_checksums + parity (native, separate)",
+            peer_ms=t_r * 1e3,
+            ratio=t_r / t_n,
+            copy_fraction=(pb / t_n / 1e9) / copy_gbs,
+        )
+    )
+
     # abft_check on a Llama-3-8B MLP output (M=8192, N=14336, f32 before rounding), and abft_finish:
     # the same check, then the gate and the cast to bf16 in the same pass (what a protected GEMM runs).
     m, n, k = (8192 if size_mb >= 512 else 512), 14336, 4096

@@ -68,6 +68,13 @@ optimizer, encode on write) with faults injected: parameter bit flips every 5 st
 out); MFU = step FLOPs (6 per weight per token plus causal attention) / (devices x 989 TFLOP/s);
 `on_over_off` = protected / unprotected tokens/s; `peak_gb` is device 0's peak allocation. The model's
 attention is `layers.attention_core` (scores materialised) in both configurations, not cuDNN.
+
+Reading the peers table (Hopper only): the kernels a protected kernel with its checks fused in would
+be built on, against what the library already calls, side by side in one run. GEMM rows: XLA
+(cuBLAS) against JAX's Pallas Mosaic-GPU Hopper matmul, best of 8 tile-schedule configurations;
+`pallas_speed_vs_xla` > 1 means the Pallas kernel is faster (headroom a fused epilogue could spend).
+Attention rows: causal GQA at the issue's shape; `vs_cudnn` = cuDNN time / that row's time. Every
+output is compared with XLA's before timing.
 """
 
 

@@ -7,6 +7,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --su
 python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
 python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
+python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
 """
 
@@ -17,7 +18,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from . import abft_campaign, llama3, matmul, memory, ops, routing
+from . import abft_campaign, llama3, matmul, memory, ops, peers, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
@@ -35,6 +36,7 @@ def main() -> None:
         "routing",
         "routing-sim",
         "routing-multi",
+        "peers",
     ]
     suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
@@ -70,6 +72,7 @@ def main() -> None:
         ("routing", routing.run_local),
         ("routing-sim", routing.run_sim),
         ("routing-multi", routing.run_multi),
+        ("peers", peers.run),
         ("llama3", lambda: llama3.run(layers=args.layers, steps=args.steps, devices=args.devices)),
     ):
         if args.suite in (name, "all"):
