@@ -42,7 +42,8 @@ def _scope(e: dict) -> str:
     args = e.get("args", {})
     for key in ("tf_op", "long_name", "hlo_op"):
         v = args.get(key)
-        if isinstance(v, str) and v:
+        # On a GPU trace every kernel's tf_op reads "XlaModule:" (no scope): fall through to the next key.
+        if isinstance(v, str) and v and not v.startswith("XlaModule"):
             parts = [
                 p for p in v.split("/") if p and not p.startswith(("jit(", "pjit(", "jvp(", "transpose("))
             ]

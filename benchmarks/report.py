@@ -75,6 +75,11 @@ be built on, against what the library already calls, side by side in one run. GE
 `pallas_speed_vs_xla` > 1 means the Pallas kernel is faster (headroom a fused epilogue could spend).
 Attention rows: causal GQA at the issue's shape; `vs_cudnn` = cuDNN time / that row's time. Every
 output is compared with XLA's before timing.
+
+Reading the profile tables: `python -m benchmarks.profile` traces a short training run under the JAX
+profiler and sums the device kernels by name; `ms_per_step` divides by the steps traced, `share` is
+of all device kernel time. `profile-off` and `profile-protect` are the same run without and with
+protection, so their difference is what protection costs and where.
 """
 
 

@@ -218,6 +218,50 @@ def test_bursts_within_a_stripe_are_repaired():
         assert _same(params, clean)
 
 
+def test_bursts_across_several_stripes_of_one_bank_are_repaired():
+    """A burst in one physical bank that runs over the end of one stripe into the next ones the bank
+    holds (2-4 stripes, possibly of different leaves): the stripes of one bank sit in different
+    parity groups, so each group has one faulty member and every stripe is rebuilt bit-exactly."""
+    rng = np.random.default_rng(12)
+    params = _params(rng)
+    clean = _host(params)
+    store = PimStore(params, GEO)
+    state = store.encode(params)
+    amap = store.address_map
+    sb = GEO.stripe_bytes
+    holds = {
+        b: [(i, int(s)) for i, kind, idx in amap.bank_contents(b) if kind == "data" for s in idx]
+        for b in range(GEO.nbanks)
+    }
+    banks = [b for b, held in holds.items() if len(held) >= 4]
+    assert len(banks) >= GEO.nbanks // 2
+    hit_total = 0
+    for trial in range(60):
+        bank = int(rng.choice(banks))
+        held = holds[bank]
+        span = int(rng.integers(2, 5))
+        first = int(rng.integers(len(held) - span + 1))
+        chosen = held[first : first + span]
+        leaves = jax.tree.leaves(params)
+        for j, (i, stripe) in enumerate(chosen):
+            n = amap.leaves[i].nbytes
+            lo, hi = stripe * sb, min(stripe * sb + sb, n)
+            # The burst's tail end of the first stripe, whole middle stripes, the head of the last.
+            start = int(rng.integers(lo, hi)) if j == 0 else lo
+            stop = int(rng.integers(start + 1, hi + 1)) if j == len(chosen) - 1 else hi
+            old = np.asarray(leaves[i]).reshape(-1).view(np.uint8)[start:stop]
+            faults.overwrite(leaves[i], start, old ^ rng.integers(1, 256, stop - start, dtype=np.uint8))
+        found = store.scrub(params, state)
+        assert [b.flat for b in store.faulty_banks(found)] == [bank], trial
+        out = store.repair(params, state)
+        params, state = out.params, out.state
+        assert int(out.report.banks_repaired) == len(chosen), trial
+        assert int(out.report.banks_uncorrectable) == 0, trial
+        assert _same(params, clean), trial
+        hit_total += len(chosen)
+    assert hit_total >= 150  # 60 bursts over 2-4 stripes each
+
+
 @pytest.mark.parametrize("bank", [0, 5, 11, 15])
 def test_a_whole_failed_bank_is_located_and_rebuilt(bank):
     rng = np.random.default_rng(3)
