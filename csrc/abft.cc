@@ -1,8 +1,11 @@
 // CPU handlers of abft_check and abft_finish (the math and its bound are in abft.h).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <thread>
 
 #include "abft.h"
 
@@ -148,9 +151,9 @@ inline int GateCopyF32(const float* in, float* out, int64_t n, const GateSpec& g
 }
 
 template <FloatKind KI, FloatKind KO>
-void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g) {
+void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0, int64_t r1) {
   const bool write_all = io.out != io.y || g.on || KI != KO;
-  for (int64_t r = 0; r < io.rows; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     int dropped = 0;
     for (int64_t b = 0; b < io.nb; ++b) {
       const int64_t j0 = r * io.n_all + b * io.block_n;
@@ -188,31 +191,64 @@ void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g) {
 }
 
 template <FloatKind KI>
-void RunCpuOut(const AbftIo& io, const AbftParams& p, const GateSpec& g) {
+void RunCpuOut(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0, int64_t r1) {
   switch (io.out_kind) {
     case FloatKind::kF32:
-      return RunCpu<KI, FloatKind::kF32>(io, p, g);
+      return RunCpu<KI, FloatKind::kF32>(io, p, g, r0, r1);
     case FloatKind::kBF16:
-      return RunCpu<KI, FloatKind::kBF16>(io, p, g);
+      return RunCpu<KI, FloatKind::kBF16>(io, p, g, r0, r1);
     case FloatKind::kF16:
-      return RunCpu<KI, FloatKind::kF16>(io, p, g);
+      return RunCpu<KI, FloatKind::kF16>(io, p, g, r0, r1);
   }
 }
 
-void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g) {
+void RunRows(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0, int64_t r1) {
   switch (io.in_kind) {
     case FloatKind::kF32:
-      return RunCpuOut<FloatKind::kF32>(io, p, g);
+      return RunCpuOut<FloatKind::kF32>(io, p, g, r0, r1);
     case FloatKind::kBF16:
-      return RunCpuOut<FloatKind::kBF16>(io, p, g);
+      return RunCpuOut<FloatKind::kBF16>(io, p, g, r0, r1);
     case FloatKind::kF16:
-      return RunCpuOut<FloatKind::kF16>(io, p, g);
+      return RunCpuOut<FloatKind::kF16>(io, p, g, r0, r1);
   }
 }
 
-ffi::Error AbftCheckCpu(ffi::AnyBuffer y, ffi::AnyBuffer checks, ffi::AnyBuffer mag,
-                        int64_t block_n, int64_t k, float u, float lam, bool correct,
-                        ffi::Result<ffi::AnyBuffer> y_out, ffi::Result<ffi::AnyBuffer> flags) {
+// Rows are independent, so they are split into chunks shared between this thread and XLA's
+// intra-op thread pool: each worker takes the next chunk from an atomic counter until none are
+// left, and this thread waits for the chunks others took. Below ~64K values the hand-off costs
+// more than it saves (a GEMM output of 256 x 256 checks in ~20 us on one core). The state is
+// shared (not on this stack): a task the pool starts after the handler returned finds no chunks.
+constexpr int64_t kMinValuesPerChunk = 1 << 15;
+
+void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, ffi::ThreadPool* pool) {
+  const int64_t values = io.rows * io.n_all;
+  const int64_t threads = pool == nullptr ? 1 : pool->num_threads();
+  int64_t chunks = std::min<int64_t>(io.rows, values / kMinValuesPerChunk);
+  chunks = std::min<int64_t>(chunks, 4 * (threads + 1));
+  if (threads < 1 || chunks < 2) return RunRows(io, p, g, 0, io.rows);
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, io, p, g, chunks]() {
+    for (int64_t c; (c = shared->next.fetch_add(1)) < chunks;) {
+      RunRows(io, p, g, io.rows * c / chunks, io.rows * (c + 1) / chunks);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = work;  // Schedule takes its task by value (moved onto the heap)
+    pool->Schedule(std::move(task));
+  }
+  work();
+  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer checks,
+                        ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
+                        bool correct, ffi::Result<ffi::AnyBuffer> y_out,
+                        ffi::Result<ffi::AnyBuffer> flags) {
   FloatKind kind;
   int64_t rows, n_all, nb;
   if (auto e =
@@ -233,14 +269,16 @@ ffi::Error AbftCheckCpu(ffi::AnyBuffer y, ffi::AnyBuffer checks, ffi::AnyBuffer 
             n_all,
             block_n,
             nb};
-  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{false, 0, 0});
+  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{false, 0, 0},
+             &pool);
   return ffi::Error::Success();
 }
 
-ffi::Error AbftFinishCpu(ffi::AnyBuffer y, ffi::AnyBuffer checks, ffi::AnyBuffer mag,
-                         int64_t block_n, int64_t k, float u, float lam, bool correct, bool gate,
-                         float fill, float limit, ffi::Result<ffi::AnyBuffer> y_out,
-                         ffi::Result<ffi::AnyBuffer> flags, ffi::Result<ffi::AnyBuffer> counts) {
+ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer checks,
+                         ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
+                         bool correct, bool gate, float fill, float limit,
+                         ffi::Result<ffi::AnyBuffer> y_out, ffi::Result<ffi::AnyBuffer> flags,
+                         ffi::Result<ffi::AnyBuffer> counts) {
   FloatKind kind, out_kind;
   int64_t rows, n_all, nb;
   if (auto e = CheckAbftShapes(y, checks, mag, block_n, k, std::nullopt, *flags, &kind, &rows,
@@ -260,8 +298,8 @@ ffi::Error AbftFinishCpu(ffi::AnyBuffer y, ffi::AnyBuffer checks, ffi::AnyBuffer
             n_all,
             block_n,
             nb};
-  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct},
-             GateSpec{gate, fill, limit});
+  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{gate, fill, limit},
+             &pool);
   return ffi::Error::Success();
 }
 
@@ -270,6 +308,7 @@ ffi::Error AbftFinishCpu(ffi::AnyBuffer y, ffi::AnyBuffer checks, ffi::AnyBuffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftCheckCpu, pimlayers::AbftCheckCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()   // XLA's intra-op threads
                                   .Arg<xla::ffi::AnyBuffer>()    // y: (..., M, N) f32|bf16|f16
                                   .Arg<xla::ffi::AnyBuffer>()    // checks: (..., M, nb, 2) f32
                                   .Arg<xla::ffi::AnyBuffer>()    // mag: (..., M, nb) f32
@@ -283,6 +322,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftCheckCpu, pimlayers::AbftCheckCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCpu, pimlayers::AbftFinishCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()   // XLA's intra-op threads
                                   .Arg<xla::ffi::AnyBuffer>()    // y: (..., M, N) f32|bf16|f16
                                   .Arg<xla::ffi::AnyBuffer>()    // checks: (..., M, nb, 2) f32
                                   .Arg<xla::ffi::AnyBuffer>()    // mag: (..., M, nb) f32

@@ -56,6 +56,27 @@ def test_native_equals_reference(out_dtype, block_n, gate, limit):
     assert np.array_equal(np.isnan(a), np.isnan(b))
 
 
+@pytest.mark.parametrize("block_n", [None, 128])
+def test_rows_split_over_threads_equal_the_reference(block_n):
+    """Outputs of more than 2^15 values are checked in row chunks by XLA's intra-op threads (CPU):
+    601 rows x 320 columns (an uneven split), faults every fourth row, some gated."""
+    rng = np.random.default_rng(11)
+    y, c, mag = _gemm(rng, 601, 48, 320, block_n)
+    bad = _faulty(rng, y).at[300, 3].set(jnp.inf).at[599, 17].set(jnp.nan)
+    kw = dict(k=48, block_n=block_n, out_dtype=jnp.bfloat16, gate=True, fill=0.0, limit=None)
+    got = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="native", **kw))(bad, c, mag)
+    want = ops.abft_finish(bad, c, mag, impl="reference", **kw)
+    for g, w in zip(got[1:], want[1:], strict=True):  # flags and gated counts, row by row
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_allclose(
+        np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-3
+    )
+    assert (np.asarray(got[1]) != 0).sum() >= 150
+    # The in-place check splits the same way.
+    _, flags = ops.abft_check(bad, c, mag, k=48, block_n=block_n, impl="native")
+    assert np.array_equal(np.asarray(flags), np.asarray(want[1]))
+
+
 def test_clean_output_is_the_cast_and_nothing_is_counted():
     y, c, mag = _gemm(np.random.default_rng(8), 16, 96, 384, 128)
     for impl in ("native", "reference"):
