@@ -80,6 +80,9 @@ def run(
                 "gemm_detected": g["gemm_detected"],
                 "gemm_corrected": g["gemm_corrected"],
                 "uncorrectable": g["gemm_uncorrectable"] + m["banks_uncorrectable"],
+                "gemm_uncorrectable": g["gemm_uncorrectable"],
+                "banks_uncorrectable": m["banks_uncorrectable"],
+                "steps_skipped": s["injected"]["skipped"],
                 "final_loss": s["curve"][-1][1],
             }
         )

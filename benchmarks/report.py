@@ -29,6 +29,13 @@ scales 1e-3..1e3): `above_bound` errors exceed the detection bound, `detected_ab
 detected, and `worst_error_over_bound` is the largest distance of a returned output from the clean
 product, in units of (bound + 2 ulp of the dtype) — at most 1 means every output is within tolerance.
 
+Reading the margins table: `python -m benchmarks.margins` runs the protected training step with no
+faults under `ops.check_margins`. Per kind of GEMM (role: `y` forward, `dx`/`dw` backward, `redo` the
+recompute; shape G x R x K x N), `worst_ratio` is the largest residual over the detection bound that
+the GEMM used. At 1 or more the GEMM was flagged, which on clean data is a false detection.
+`sum_over_mag_at_worst` near 1 means that block's products all had one sign. The llama3 rows split
+`uncorrectable` into GEMM blocks and memory banks and count `steps_skipped`.
+
 Reading the memory table: the parameters are four Llama-3-8B decoder layers' weights in bf16 (1.75 GB)
 in a `PimStore` with the H200 geometry (4 KiB stripes, parity groups of 8). `vs_copy`, `vs_read` and
 `vs_datasheet` relate the scrub's bandwidth to the device copy (read + write) and to a read-only XLA

@@ -86,3 +86,18 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     assert s["timeline"] == "host" and s["total_ms"] > 0
     assert any(n.startswith(("custom-call", "ffi_call")) for n in names), names  # abft_finish ran
     assert abs(sum(r["share"] for r in s["kernels"]) - 1.0) < 1e-6 or len(names) == 50
+
+
+def test_margins_tool_reports_every_gemm_kind_of_a_training_step():
+    import jax
+
+    from benchmarks import margins
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
+        rows, extra = margins.run("llama3_tiny", layers=1, seq=32, steps=1, dtype="float32", batch=0)
+    roles = {r["role"] for r in rows}
+    assert {"y", "dx", "dw"} <= roles
+    # A clean step: every GEMM inside its bound, and the step's own counters agree.
+    assert all(0 <= r["worst_ratio"] < 1 and r["blocks_over"] == 0 for r in rows)
+    assert extra["gemm"]["gemm_detected"] == 0 and extra["gemm"]["gemm_checked"] > 0
+    assert sum(r["calls"] for r in rows) >= len(rows)

@@ -77,6 +77,8 @@ def test_false_alarm_bound_follows_higham_mary():
         ({"gate_limit": "big"}, TypeError, r"gate_limit must be a Python float.*got str"),
         ({"lam": 0}, ValueError, r"lam must be a finite float > 0 .*got 0.0"),
         ({"lam": -1.0}, ValueError, r"lam must be a finite float > 0"),
+        ({"lam_dw": 0.0}, ValueError, r"lam_dw must be a finite float > 0 .*got 0.0"),
+        ({"lam_dw": "8"}, TypeError, r"lam_dw must be a Python float.*got str"),
         ({"block_n": 0}, ValueError, r"block_n must be an int >= 1 or None; got 0"),
         ({"block_n": 64.0}, TypeError, r"block_n must be an int >= 1 or None.*got float 64.0"),
         ({"block_n": True}, TypeError, r"block_n .*got bool True"),

@@ -306,3 +306,46 @@ def test_bad_input():
         ops.protected_matmul(jnp.ones((4, 8), jnp.int32), w)
     with pytest.raises(ValueError, match=r"re-encode w with abft_encode\(w, block_n=128\)"):
         ops.protected_matmul(x, w, ops.abft_encode(w, 2))
+
+
+def _margin_loss(policy):
+    def loss(a, b, faults):
+        y, _ = ops.protected_matmul(a, b, policy=policy, faults=faults)
+        return jnp.sum(jnp.sin(y))
+
+    return loss
+
+
+def test_check_margins_records_each_gemm_and_the_dw_bound_uses_lam_dw():
+    x, w = _xw(24, 40, 36)
+    none = (GemmFaults.none(), GemmFaults.none(), GemmFaults.none())
+    logs = {}
+    for lam_dw in (8.0, 64.0):
+        with ops.check_margins() as log:
+            g = jax.jit(jax.grad(_margin_loss(FaultPolicy(block_n=16, lam_dw=lam_dw)), argnums=(0, 1)))
+            jax.block_until_ready(g(x, w, none))
+            jax.effects_barrier()
+        logs[lam_dw] = {m.role: m for m in log}
+    assert set(logs[8.0]) == {"y", "dx", "dw"}
+    for m in logs[8.0].values():
+        assert 0 < m.ratio < 1 and m.over == 0 and m.nonfinite_checks == m.nonfinite_y == 0
+    # Same data, same residuals: only dw's bound moved, by the ratio of the two factors.
+    assert logs[8.0]["y"].ratio == logs[64.0]["y"].ratio
+    assert logs[8.0]["dw"].ratio == pytest.approx(8.0 * logs[64.0]["dw"].ratio, rel=1e-5)
+    assert logs[8.0]["dw"].shape == (1, 40, 24, 36)  # x^T (40, 24) @ dy (24, 36)
+
+
+def test_check_margins_sees_an_injected_error_and_stays_off_outside():
+    x, w = _xw(24, 40, 36)
+    hit = GemmFaults.random(jax.random.key(3), (24, 36), 1, 1.0, bit=30)
+    f = jax.jit(lambda a, b, faults: ops.protected_matmul(a, b, faults=faults))
+    with ops.check_margins() as log:
+        jax.block_until_ready(f(x, w, hit))
+        jax.effects_barrier()
+    (m,) = log
+    assert m.role == "y" and m.ratio > 1 and m.over == 1
+    assert "ratio" in log.table() and log.worst(1) == [m]
+    g = jax.jit(lambda a, b, faults: ops.protected_matmul(a, b, faults=faults))
+    jax.block_until_ready(g(x, w, hit))  # traced outside: records nothing, and nothing fails
+    jax.effects_barrier()
+    assert len(log) == 1

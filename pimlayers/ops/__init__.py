@@ -18,6 +18,9 @@ from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
 from ._guard import bank_guard as bank_guard
 from ._guard import bank_guard_reference as bank_guard_reference
+from ._margins import CheckMargin as CheckMargin
+from ._margins import MarginLog as MarginLog
+from ._margins import check_margins as check_margins
 from ._parity import num_groups as num_groups
 from ._parity import parity as parity
 from ._parity import parity_reference as parity_reference

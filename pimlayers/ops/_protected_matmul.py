@@ -31,6 +31,7 @@ from jax import lax
 
 from ..faults import FaultPolicy, FaultReport
 from ..faults._inject import GemmFaults, inject_gemm_faults
+from . import _margins
 from ._abft import (
     ABFT_CORRECTED,
     ABFT_DETECTED,
@@ -71,7 +72,9 @@ def _dot(a, b, precision):
     )
 
 
-def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl, out_dtype):
+def _checked_gemm(
+    a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl, out_dtype, role: str = "y"
+):
     """(G, R, K) @ (G, K, N) -> (out_dtype (G, R, N), FaultReport), per the policy.
 
     G independent GEMMs (1 for a layer's matmul; batch x heads for attention) share one slow path:
@@ -106,6 +109,7 @@ def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, preci
         limit=policy.gate_limit,
     )
     c, mag = abft_checks(a, enc)
+    _margins.record(role, y, c, mag, a.dtype, k=a.shape[2], block_n=policy.block_n, lam=policy.lam)
     out, flags, counts = abft_finish(y, c, mag, correct=policy.corrects, **kw)
     in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
     pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
@@ -118,7 +122,9 @@ def _checked_gemm(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, preci
         def slow(_):
             # The barrier keeps XLA from reusing the first product: this is a real recompute.
             a2, b2 = lax.optimization_barrier((a, b))
-            out2, flags2, counts2 = abft_finish(_dot(a2, b2, precision), c, mag, correct=True, **kw)
+            y2 = _dot(a2, b2, precision)
+            _margins.record("redo", y2, c, mag, a.dtype, k=a.shape[2], block_n=policy.block_n, lam=policy.lam)
+            out2, flags2, counts2 = abft_finish(y2, c, mag, correct=True, **kw)
             return out2, counts2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(g)
 
         def keep(ok):
@@ -261,13 +267,19 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     # bf16 x bf16 products are exact in f32, so the f32 bound holds, and the tensor cores run at
     # bf16 rate (casting to f32 first would run a TF32 or f32 GEMM several times slower).
     dy = dy.astype(jnp.result_type(a.dtype, b.dtype))
+    if policy.enabled and dy.dtype != jnp.float32:
+        # dw's checksums are encoded from dy here: the barrier keeps XLA from folding an f32
+        # cotangent's rounding to bf16 out of the encode (the forward's operand barrier, for dy).
+        dy = lax.optimization_barrier(dy)
     f_da = f_db = None
     if faults is not None:
         f_da, f_db = faults[1], faults[2]
     bt = jnp.swapaxes(b, 1, 2).astype(dy.dtype)
-    da, r_da = _checked_gemm(dy, bt, _encode(bt, policy), policy, f_da, precision, impl, a.dtype)
+    da, r_da = _checked_gemm(dy, bt, _encode(bt, policy), policy, f_da, precision, impl, a.dtype, "dx")
     at = jnp.swapaxes(a, 1, 2).astype(dy.dtype)
-    db, r_db = _checked_gemm(at, dy, _encode(dy, policy), policy, f_db, precision, impl, b.dtype)
+    # The reduction over tokens gets its own safety factor (FaultPolicy.lam_dw says why).
+    dw_policy = policy.replace(lam=policy.lam_dw)
+    db, r_db = _checked_gemm(at, dy, _encode(dy, policy), dw_policy, f_db, precision, impl, b.dtype, "dw")
     zeros_enc = jax.tree.map(jnp.zeros_like, enc)
     no_faults = (
         None if faults is None else jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
