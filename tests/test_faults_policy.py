@@ -28,7 +28,7 @@ def test_defaults_and_properties():
         8.0,
         128,
     )
-    assert p.recompute and p.skip_on_uncorrectable
+    assert p.recompute and p.skip_on_uncorrectable and p.lam_dw == 64.0
     assert p.enabled and p.corrects
     d = FaultPolicy(mode="detect")
     assert d.enabled and not d.corrects
@@ -44,6 +44,7 @@ def test_defaults_and_properties():
         "recompute",
         "recompute_blocks",
         "skip_on_uncorrectable",
+        "lam_dw",
     ]
 
 

@@ -32,15 +32,6 @@ class FaultPolicy:
     # probability at most 2·exp(-λ²/2). λ = 8 gives ≈ 2.5e-14, so false alarms stay negligible even over
     # ~1e12 checked dot products per run; smaller λ catches smaller corruptions but alarms more often.
     lam: float = 8.0
-    # λ for the weight-gradient GEMMs (dw = xᵀ·dy, the backward pass's reduction over tokens). That
-    # bound assumes unbiased, independent rounding errors; tokens are correlated, and a GPU's tensor
-    # cores accumulate in f32 with truncation, so a dw product's partial sums drift far from its
-    # (cancelling) result and the rounding error grows nearer K than √K. On an H200 the clean GEMMs
-    # of the Llama-3-8B-dims training step (benchmarks.margins, 2026-11-30) reached 0.88 and 1.0 of
-    # the λ = 8 bound in dw (a false detection, recomputed to the same value, so "uncorrectable" and a
-    # skipped step), against <= 0.08 in the forward and dx GEMMs. 64 leaves 8x that headroom; a dw
-    # error must then be 8x larger to be seen (an error in one weight gradient of one step).
-    lam_dw: float = 64.0
     # ABFT column-block width; None checks a whole output row as one block. 128 by default: a whole row
     # of N = 14336 has a rounding bound of ~67 (an exponent flip of a value ~2 passes), 128 columns ~0.24;
     # measured on an H200 (docs/benchmarks.md, 2026-11-30) it costs 0-9% more than whole rows at the
@@ -57,6 +48,16 @@ class FaultPolicy:
     skip_on_uncorrectable: bool = (
         True  # `pimlayers.optim.fault_aware` skips a step with uncorrectable faults.
     )
+    # λ for the weight-gradient GEMMs (dw = xᵀ·dy, the backward's reduction over tokens; last, so the
+    # fields before it keep their positions). `lam`'s bound assumes unbiased, independent rounding
+    # errors; tokens are correlated, and a GPU's tensor cores accumulate in f32 with truncation, so a
+    # dw product's partial sums drift far from its (cancelling) result and the rounding error grows
+    # nearer K than √K. On an H200 the clean GEMMs of the Llama-3-8B-dims training step
+    # (benchmarks.margins, 2026-11-30) reached 0.88 and 1.0 of the λ = 8 bound in dw (a false
+    # detection, recomputed to the same value, so "uncorrectable" and a skipped step), against <= 0.08
+    # in the forward and dx GEMMs. 64 leaves 8x that headroom; a dw error must then be 8x larger to be
+    # seen (an error in one weight gradient of one step).
+    lam_dw: float = 64.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
