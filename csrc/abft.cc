@@ -173,16 +173,16 @@ void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0
       AbftDecision d = AbftDecide(s.s1, s.s2, s.sa, s.nonfinite, s.nf_loc, c1,
                                   io.checks[2 * cb + 1], io.mag[cb], n, p);
       if (d.flag == kAbftCorrected) {
-        // Rebuilt from the checksum, c1 - sum of the others (re-summed: subtracting a possibly
-        // huge wrong value from s1 would cancel catastrophically).
-        double others = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          if (j != d.loc) others += LoadF(io.y, j0 + j, KI);
+        auto load = [&](int64_t j) { return static_cast<double>(LoadF(io.y, j0 + j, KI)); };
+        const AbftFix fix = AbftRebuild(load, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p);
+        if (fix.ok) {
+          int before = 0;
+          GateCast(LoadF(io.y, j0 + d.loc, KI), KO, g, &before);  // was it gated in the pass?
+          if (write_all) dropped -= before;
+          StoreF(io.out, j0 + d.loc, GateCast(fix.value, KO, g, &dropped), KO);
+        } else {
+          d.flag = kAbftDetected;
         }
-        int before = 0;
-        GateCast(LoadF(io.y, j0 + d.loc, KI), KO, g, &before);  // was it gated in the pass?
-        if (write_all) dropped -= before;
-        StoreF(io.out, j0 + d.loc, GateCast(static_cast<float>(c1 - others), KO, g, &dropped), KO);
       }
       io.flags[cb] = d.flag;
     }

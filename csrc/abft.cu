@@ -25,19 +25,21 @@ __device__ __forceinline__ void StoreCast4(void* out, int64_t i, float4 v, Float
   reinterpret_cast<uint2*>(out)[i / 4] = packed;
 }
 
-// The rare correction of one located value, by one thread: c1 - (sum of the others), re-summed
-// from the input (subtracting a possibly huge wrong value from s1 would cancel catastrophically).
-// Returns the change to the row's gate count.
-__device__ int CorrectOne(const AbftIo& io, int64_t j0, int64_t n, int64_t loc, float c1,
-                          const GateSpec& g, bool write_all) {
-  double others = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (j != loc) others += LoadF(io.y, j0 + j, io.in_kind);
+// The rare correction of one located value, by one thread (AbftRebuild: rebuilt from the others,
+// then the block checked again). Returns the change to the row's gate count; a block whose rebuilt
+// version fails the check is left as it was and its flag becomes "detected".
+__device__ int CorrectOne(const AbftIo& io, int64_t j0, int64_t n, int64_t loc, float c1, float c2,
+                          float mag, const AbftParams& p, const GateSpec& g, bool write_all,
+                          int32_t* flag) {
+  auto load = [&](int64_t j) { return static_cast<double>(LoadF(io.y, j0 + j, io.in_kind)); };
+  const AbftFix fix = AbftRebuild(load, n, loc, c1, c2, mag, p);
+  if (!fix.ok) {
+    *flag = kAbftDetected;
+    return 0;
   }
   int before = 0, after = 0;
   GateCast(LoadF(io.y, j0 + loc, io.in_kind), io.out_kind, g, &before);
-  StoreF(io.out, j0 + loc, GateCast(static_cast<float>(c1 - others), io.out_kind, g, &after),
-         io.out_kind);
+  StoreF(io.out, j0 + loc, GateCast(fix.value, io.out_kind, g, &after), io.out_kind);
   return after - (write_all ? before : 0);
 }
 
@@ -75,7 +77,10 @@ __global__ void AbftWarpKernel(AbftIo io, AbftParams p, GateSpec g, bool write_a
       const float c1 = io.checks[2 * w];
       AbftDecision d =
           AbftDecide(s1, s2, sa, nonfinite, nf_loc, c1, io.checks[2 * w + 1], io.mag[w], n, p);
-      if (d.flag == kAbftCorrected) dropped += CorrectOne(io, j0, n, d.loc, c1, g, write_all);
+      if (d.flag == kAbftCorrected) {
+        dropped += CorrectOne(io, j0, n, d.loc, c1, io.checks[2 * w + 1], io.mag[w], p, g,
+                              write_all, &d.flag);
+      }
       io.flags[w] = d.flag;
       if (io.counts != nullptr && dropped != 0) atomicAdd(&io.counts[r], dropped);
     }
@@ -205,7 +210,8 @@ __global__ void __launch_bounds__(kRowThreads)
       AbftDecision d = AbftDecide(s1s[b], s2s[b], sas[b], nfs[b], locs[b], c1,
                                   io.checks[2 * cb + 1], io.mag[cb], n, p);
       if (d.flag == kAbftCorrected) {
-        int delta = CorrectOne(io, j0, n, d.loc, c1, g, write_all);
+        int delta = CorrectOne(io, j0, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p, g,
+                               write_all, &d.flag);
         if (delta) atomicAdd(dropped_row, delta);
       }
       io.flags[cb] = d.flag;

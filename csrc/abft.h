@@ -19,7 +19,8 @@
 // for certain once |r1| > 4 n B1. Smaller detected errors, and ratios that name no column, are
 // "detected, not corrected" (the caller recomputes). A single non-finite value is located by
 // itself. The corrected value is rebuilt from the checksum, c1 - sum_{k != j} y_ik, never by
-// subtracting a (possibly huge or non-finite) residual.
+// subtracting a (possibly huge or non-finite) residual, and the rebuilt block is checked again
+// (AbftRebuild): a block that fails is "detected" after all.
 #pragma once
 
 #include <optional>
@@ -81,6 +82,38 @@ PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonf
   double tol = 2.0 * nd * b1 + 4.0 * nd * nd * fabs(r1) * 2.220446049250313e-16;
   if (!(fabs(r2 - (j + 1.0) * r1) <= tol)) return {kAbftDetected, -1};
   return {kAbftCorrected, static_cast<int64_t>(j)};
+}
+
+// The rare correction of the located value at `loc`: c1 - (sum of the others), re-summed from y
+// without it (subtracting a possibly huge wrong value from s1 would cancel catastrophically), and
+// then the block must pass the check a clean block passes. The location test's tolerance grows
+// with |r1| (the f64 sums' rounding next to a huge error), so a second, smaller error in the block
+// can hide behind a huge one: e.g. an exponent flip to 1e37 at one column and a value of 1.5
+// flushed to 0 at another pointed at the first, and "correcting" it left the second wrong,
+// silently. With the huge value rebuilt, r2 = (m - loc) e2 for a second error e2 at column m:
+// the block then goes back to "detected" (recompute) instead. `value` is valid when ok.
+struct AbftFix {
+  bool ok;
+  float value;
+};
+
+template <typename LoadFn>
+PL_HD AbftFix AbftRebuild(LoadFn load, int64_t n, int64_t loc, float c1, float c2, float mag,
+                          const AbftParams& p) {
+  double o1 = 0, o2 = 0, oa = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == loc) continue;
+    const double v = load(j);
+    o1 += v;
+    o2 += static_cast<double>(j + 1) * v;
+    oa += fabs(v);
+  }
+  const float value = static_cast<float>(static_cast<double>(c1) - o1);
+  const double b1 = AbftBound(mag, oa + fabsf(value), n, p);
+  const double r2 = o2 + static_cast<double>(loc + 1) * value - static_cast<double>(c2);
+  // Plus the rounding of the rebuilt value to f32, weighted by loc + 1 <= n.
+  const double tol = static_cast<double>(n) * (b1 + fabsf(value) * 1.1920928955078125e-07);
+  return {IsFiniteF(value) && IsFiniteF(o1) && IsFiniteF(o2) && fabs(r2) <= tol, value};
 }
 
 // abft_finish: after the check, the insulation gate and the cast to the output dtype, in the same

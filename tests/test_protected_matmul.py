@@ -349,3 +349,23 @@ def test_check_margins_sees_an_injected_error_and_stays_off_outside():
     jax.block_until_ready(g(x, w, hit))  # traced outside: records nothing, and nothing fails
     jax.effects_barrier()
     assert len(log) == 1
+
+
+@pytest.mark.parametrize("recompute_blocks", [None, 8])
+def test_backward_errors_that_cannot_be_located_are_recomputed(recompute_blocks):
+    """Two errors in one block of dx and of dw: detected, not locatable, recomputed from the operands
+    as the backward holds them (wᵀ and xᵀ read in place), by the branch or the block redo."""
+    x, w = _xw(24, 40, 36)
+    policy = FaultPolicy(block_n=16, recompute_blocks=recompute_blocks)
+
+    def loss(a, b, tap, faults):
+        y, _ = ops.protected_matmul(a, b, tap=tap, faults=faults, policy=policy)
+        return jnp.sum(jnp.sin(y))
+
+    gx0, gw0 = jax.grad(lambda a, b: jnp.sum(jnp.sin(_plain(a, b))), argnums=(0, 1))(x, w)
+    hit = (GemmFaults.none(), _pairs(5, (17, 20), (30, 29)), _pairs(11, (3, 9), (30, 28)))
+    gx, gw, gt = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, ops.zero_tap(), hit)
+    d = ops.report_from_tap(gt).to_dict()
+    assert d["gemm_detected"] == 2 and d["gemm_recomputed"] == 2 and d["gemm_uncorrectable"] == 0
+    np.testing.assert_allclose(gx, gx0, atol=1e-5)
+    np.testing.assert_allclose(gw, gw0, atol=1e-5)

@@ -11,7 +11,9 @@ computed in f32 at HIGHEST precision. The check then compares the block sums of 
 a probabilistic rounding-error bound (Higham & Mary 2019; lam = 8 fails with probability about
 2.5e-14 per sum) plus the rounding of y to its storage dtype (u_y = 0 for f32, 2^-8 for bf16).
 |r1| > B1 or |r2| > n*B1 is "detected"; a single error with |r1| > 4 n B1 is located for certain
-and rebuilt from the checksum; smaller detected errors are reported as not corrected (the caller
+and rebuilt from the checksum, and the rebuilt block must then pass the check a clean block passes
+(else it is "detected" after all: a second error can hide behind a huge one in the location test,
+whose tolerance grows with |r1|); smaller detected errors are reported as not corrected (the caller
 recomputes). A lone NaN/Inf is located by itself. Two errors in one block cannot always be told
 apart from one by two checksums (Huang & Abraham's scheme corrects one per block); usually they are
 detected and recomputed. One case is silent: two *equal* errors at columns j1, j2 with j1 + j2 even
@@ -66,13 +68,36 @@ def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
     return bn, (0 if n == 0 else -(-n // bn))
 
 
-def abft_encode(w: Float[Array, "*g k n"], block_n: int | None = None) -> WeightChecksums:
+def abft_encode(
+    w: Float[Array, "*g k n"], block_n: int | None = None, *, transposed: bool = False
+) -> WeightChecksums:
     """Encode w's checksum columns (in f32; the writer of w calls this, "encode on write").
 
     Leading axes of w (a batch of matrices, e.g. attention's keys per head) carry over to the sums.
+    ``transposed=True``: ``w`` holds the GEMM's operand transposed, (*g, N, K) (the backward's wᵀ is
+    the forward's w): the sums are those of its transpose, formed by reducing w's own rows in blocks,
+    so no transpose of w is ever materialised (on the CPU that copy cost more than the GEMM's checks).
     """
     if w.ndim < 2:
         raise ValueError(f"pimlayers.abft_encode: w has shape {tuple(w.shape)}; expected (..., K, N)")
+    if transposed:
+        *g, n, k = w.shape
+        bn, nb = _blocks(n, block_n)
+        pad = [(0, 0)] * (w.ndim - 2) + [(0, nb * bn - n), (0, 0)]
+        wf = jnp.pad(w.astype(jnp.float32), pad).reshape(*g, nb, bn, k)
+        lead = (1,) * (w.ndim - 2)
+        pos = jnp.arange(1, bn + 1, dtype=jnp.float32).reshape(*lead, 1, bn, 1)
+        parts = (wf, wf * pos, jnp.abs(wf))
+        # (*g, nb, K): small. On the CPU, XLA's reduction over the middle axis ran 6x slower than
+        # pairwise adds of whole rows (1024 x 256 f32, blocks of 128: 0.61 vs 0.10 ms); the GPU
+        # keeps its own reduction (not measured there with the adds).
+        s1, s2, sa = lax.platform_dependent(
+            *parts,
+            cpu=lambda *p: tuple(_pairwise_rows(v) for v in p),
+            default=lambda *p: tuple(v.sum(-2) for v in p),
+        )
+        sums = jnp.stack([jnp.swapaxes(s1, -1, -2), jnp.swapaxes(s2, -1, -2)], axis=-1)
+        return WeightChecksums(sums, jnp.swapaxes(sa, -1, -2))
     *g, k, n = w.shape
     bn, nb = _blocks(n, block_n)
     pad = [(0, 0)] * (w.ndim - 1) + [(0, nb * bn - n)]
@@ -83,32 +108,61 @@ def abft_encode(w: Float[Array, "*g k n"], block_n: int | None = None) -> Weight
     return WeightChecksums(sums, jnp.abs(wf).sum(-1))
 
 
+def _pairwise_rows(v: Float[Array, "*g b r k"]) -> Float[Array, "*g b k"]:
+    """Sum over the row axis (-2) by halving: each step adds two contiguous halves, elementwise."""
+    while v.shape[-2] > 1:
+        if v.shape[-2] % 2:
+            v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, 1), (0, 0)])
+        h = v.shape[-2] // 2
+        v = v[..., :h, :] + v[..., h:, :]
+    return v[..., 0, :]
+
+
 def abft_checks(
-    x: Float[Array, "*m k"], enc: WeightChecksums
+    x: Float[Array, "*m k"], enc: WeightChecksums, *, transposed: bool = False
 ) -> tuple[Float[Array, "*m nb 2"], Float[Array, "*m nb"]]:
     """The checks of y = x @ w from w's checksum columns: ``(c, mag)`` in f32 at HIGHEST precision.
 
     For a batch of weights (sums (*g, K, nb, 2)), x is (*g, R, K): matmul's batch broadcasting.
+    ``transposed=True``: ``x`` holds the GEMM's operand transposed, (*g, K, R) with the same leading
+    axes as the sums (the backward's xᵀ is the forward's x): contracted over its K axis in place.
     """
     *g, k, nb = enc.abs_sums.shape
     sums = enc.sums.reshape(*g, k, nb * 2)
+    if transposed and (x.ndim != len(g) + 2 or tuple(x.shape[:-2]) != tuple(g) or x.shape[-2] != k):
+        raise ValueError(
+            f"pimlayers.abft_checks: transposed x has shape {tuple(x.shape)}; expected "
+            f"({', '.join(map(str, (*g, k)))}, R) for checksums of {tuple(enc.sums.shape)}"
+        )
+    rows = x.shape[-1] if transposed else x.shape[-2]
+    lead = x.shape[:-2]
     if x.dtype == jnp.bfloat16:
         # bf16 x: the f32 checksum columns split into bf16 terms (hi + mid + lo carries 24 bits,
         # f32's precision) ride on the tensor cores: each bf16 x bf16 product is exact in f32, so
         # the f32-accumulated sum of the three products is the f32 check, at bf16 GEMM speed (an
         # f32 GEMM at HIGHEST runs on CUDA cores, ~15x slower on an H200). mag only scales the
         # bound: two terms (2^-17 relative) are plenty.
-        c = _split_dot(x, sums, 3).reshape(*x.shape[:-1], nb, 2)
-        mag = _split_dot(jnp.abs(x), enc.abs_sums, 2)
+        c = _split_dot(x, sums, 3, transposed).reshape(*lead, rows, nb, 2)
+        mag = _split_dot(jnp.abs(x), enc.abs_sums, 2, transposed)
         return c, mag
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
-    c = jnp.matmul(xf, sums, precision=hi).reshape(*x.shape[:-1], nb, 2)
-    mag = jnp.matmul(jnp.abs(xf), enc.abs_sums, precision=hi)
+    c = _dot_x(xf, sums, transposed, precision=hi).reshape(*lead, rows, nb, 2)
+    mag = _dot_x(jnp.abs(xf), enc.abs_sums, transposed, precision=hi)
     return c, mag
 
 
-def _split_dot(x: Float[Array, "*m k"], w: Float[Array, "*g k c"], terms: int) -> Float[Array, "*m c"]:
+def _dot_x(x, w, transposed: bool, **kw):
+    """x @ w with matmul's broadcasting, or (transposed) xᵀ @ w over matching leading axes."""
+    if not transposed:
+        return jnp.matmul(x, w, **kw)
+    batch = tuple(range(x.ndim - 2))
+    return lax.dot_general(x, w, (((x.ndim - 2,), (w.ndim - 2,)), (batch, batch)), **kw)
+
+
+def _split_dot(
+    x: Float[Array, "*m k"], w: Float[Array, "*g k c"], terms: int, transposed: bool = False
+) -> Float[Array, "*m c"]:
     """x (bf16) @ w (f32) in f32 via w = sum of ``terms`` bf16 parts: one bf16 GEMM, exact products."""
     parts, rest = [], w
     for _ in range(terms):
@@ -116,7 +170,7 @@ def _split_dot(x: Float[Array, "*m k"], w: Float[Array, "*g k c"], terms: int) -
         parts.append(head.astype(jnp.bfloat16))  # exact: head is a bf16 value
         rest = rest - head  # exact in f32
     cols = w.shape[-1]
-    y = jnp.matmul(x, jnp.concatenate(parts, axis=-1), preferred_element_type=jnp.float32)
+    y = _dot_x(x, jnp.concatenate(parts, axis=-1), transposed, preferred_element_type=jnp.float32)
     y = y.reshape(*y.shape[:-1], terms, cols)
     out = y[..., terms - 1, :]
     for t in range(terms - 2, -1, -1):  # smallest first
@@ -189,7 +243,19 @@ def abft_check_reference(
     loc = jnp.where(n_nonfinite > 0, jnp.argmax(nonfinite, axis=-1), jl.astype(jnp.int32))
     at = col == loc[..., None]
     others = jnp.where(at, 0.0, yz).sum(-1)
-    fixed = jnp.where((flag == ABFT_CORRECTED)[..., None] & at, (c1 - others)[..., None], yb)
+    value = c1 - others
+    # The rebuilt block must pass the check a clean block passes (csrc/abft.h, AbftRebuild): a
+    # second, smaller error can hide behind a huge one in the location test's tolerance.
+    rest = jnp.where(at, 0.0, yz)
+    r2_fixed = (rest * (col + 1).astype(jnp.float32)).sum(-1) + (loc + 1).astype(jnp.float32) * value - c2
+    b1_fixed = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * (
+        jnp.abs(rest).sum(-1) + jnp.abs(value)
+    )
+    rebuilt_ok = jnp.isfinite(value) & (
+        jnp.abs(r2_fixed) <= width * (b1_fixed + jnp.abs(value) * float(np.finfo(np.float32).eps))
+    )
+    flag = jnp.where((flag == ABFT_CORRECTED) & ~rebuilt_ok, ABFT_DETECTED, flag).astype(jnp.int32)
+    fixed = jnp.where((flag == ABFT_CORRECTED)[..., None] & at, value[..., None], yb)
     out = fixed.reshape(*y.shape[:-1], nb * bn)[..., :n].astype(y.dtype)
     return out, flag
 

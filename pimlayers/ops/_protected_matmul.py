@@ -65,17 +65,30 @@ def _to_tap(r: FaultReport) -> jax.Array:
     return jnp.stack([getattr(r, name).astype(jnp.float32) for name in REPORT_FIELDS])
 
 
-def _dot(a, b, precision):
-    """(G, R, K) @ (G, K, N) -> (G, R, N) in f32 (bf16/f16 products are exact in f32)."""
-    return lax.dot_general(
-        a, b, (((2,), (1,)), ((0,), (0,))), precision=precision, preferred_element_type=jnp.float32
-    )
+def _dot(a, b, precision, a_t: bool = False, b_t: bool = False):
+    """(G, R, K) @ (G, K, N) -> (G, R, N) in f32 (bf16/f16 products are exact in f32). ``a_t``: a is
+    stored as (G, K, R); ``b_t``: b as (G, N, K) (the backward's transposes, never materialised)."""
+    dims = (((1 if a_t else 2,), (2 if b_t else 1,)), ((0,), (0,)))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _checked_gemm(
-    a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, impl, out_dtype, role: str = "y"
+    a,
+    b,
+    enc: WeightChecksums,
+    policy: FaultPolicy,
+    faults,
+    precision,
+    impl,
+    out_dtype,
+    role: str = "y",
+    a_t: bool = False,
+    b_t: bool = False,
 ):
     """(G, R, K) @ (G, K, N) -> (out_dtype (G, R, N), FaultReport), per the policy.
+
+    ``a_t`` / ``b_t``: the operand is stored transposed, a as (G, K, R), b as (G, N, K) (``enc``
+    then comes from ``abft_encode(b, transposed=True)``): the backward's xᵀ and wᵀ are read in place.
 
     G independent GEMMs (1 for a layer's matmul; batch x heads for attention) share one slow path:
     the recompute runs when any of them has an error it could not locate, so the branch predicate
@@ -83,7 +96,8 @@ def _checked_gemm(
     The f32 product is checked, corrected, gated and cast to ``out_dtype`` in one pass
     (``abft_finish``): y is read once after the GEMM writes it.
     """
-    g, r, n = a.shape[0], a.shape[1], b.shape[2]
+    g, r, k = a.shape[0], a.shape[2 if a_t else 1], a.shape[1 if a_t else 2]
+    n = b.shape[1 if b_t else 2]
     if policy.enabled and a.dtype != jnp.float32:
         # The GEMM and its checksum must read the same operand. Without the barrier XLA may fuse an
         # operand's producer (e.g. silu(g) * u in bf16) into each consumer separately and drop the
@@ -91,7 +105,7 @@ def _checked_gemm(
         # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
         # An f32 operand has no rounding to lose, and the barrier costs a copy of it on the CPU.
         a = lax.optimization_barrier(a)
-    y = inject_gemm_faults(_dot(a, b, precision).reshape(g * r, n), faults).reshape(g, r, n)
+    y = inject_gemm_faults(_dot(a, b, precision, a_t, b_t).reshape(g * r, n), faults).reshape(g, r, n)
     if not policy.enabled:
         report = FaultReport.zeros()
         if policy.gate:
@@ -99,7 +113,7 @@ def _checked_gemm(
             report = report + FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
         return y.astype(out_dtype), report
     kw = dict(
-        k=a.shape[2],
+        k=k,
         block_n=policy.block_n,
         lam=policy.lam,
         impl=impl,
@@ -108,22 +122,22 @@ def _checked_gemm(
         fill=policy.gate_fill,
         limit=policy.gate_limit,
     )
-    c, mag = abft_checks(a, enc)
-    _margins.record(role, y, c, mag, a.dtype, k=a.shape[2], block_n=policy.block_n, lam=policy.lam)
+    c, mag = abft_checks(a, enc, transposed=a_t)
+    _margins.record(role, y, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     out, flags, counts = abft_finish(y, c, mag, correct=policy.corrects, **kw)
     in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
     pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
     detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
     recomputed = jnp.int32(0)
     if policy.corrects and policy.recompute and policy.recompute_blocks is not None:
-        out, gated, still, recomputed = _redo_blocks(a, b, y, c, mag, out, flags, policy, precision)
+        out, gated, still, recomputed = _redo_blocks(a, b, y, c, mag, out, flags, policy, precision, a_t, b_t)
     elif policy.corrects and policy.recompute:
 
         def slow(_):
             # The barrier keeps XLA from reusing the first product: this is a real recompute.
             a2, b2 = lax.optimization_barrier((a, b))
-            y2 = _dot(a2, b2, precision)
-            _margins.record("redo", y2, c, mag, a.dtype, k=a.shape[2], block_n=policy.block_n, lam=policy.lam)
+            y2 = _dot(a2, b2, precision, a_t, b_t)
+            _margins.record("redo", y2, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
             out2, flags2, counts2 = abft_finish(y2, c, mag, correct=True, **kw)
             return out2, counts2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(g)
 
@@ -170,7 +184,7 @@ def _first_true(mask: jax.Array, cap: int) -> jax.Array:
     return c * chunk + pos
 
 
-def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision):
+def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision, a_t=False, b_t=False):
     """Recompute the column blocks whose error could not be located, without a branch.
 
     Up to ``policy.recompute_blocks`` (row, block) pairs flagged "detected" are gathered (a fixed
@@ -184,8 +198,8 @@ def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision):
     Returns ``(out, gated, still_uncorrectable, gemms_recomputed)``; ``gated`` corrects the first
     pass's count of gated values: each recomputed block's count replaces its first one.
     """
-    g, r, kk = a.shape
-    n = b.shape[2]
+    g, r, kk = a.shape[0], a.shape[2 if a_t else 1], a.shape[1 if a_t else 2]
+    n = b.shape[1 if b_t else 2]
     nb = flags.shape[-1]
     bn = policy.block_n
     limit = math.inf if policy.gate_limit is None else policy.gate_limit
@@ -211,8 +225,13 @@ def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision):
     def align(v):  # (cap, w) gathered at `start` -> (cap, bn) aligned to the block, zeros outside
         return jnp.where(inside, jnp.take_along_axis(v, src, axis=1), jnp.zeros((), v.dtype))
 
-    rows = a[gi, ri]  # (cap, K)
-    cols = jax.vmap(lambda gg, s: lax.dynamic_slice(b, (gg, 0, s), (1, kk, w))[0])(gi, start)
+    rows = a[gi, :, ri] if a_t else a[gi, ri]  # (cap, K)
+    if b_t:  # (cap, w, K) slices of b's rows, transposed: small
+        cols = jnp.swapaxes(
+            jax.vmap(lambda gg, s: lax.dynamic_slice(b, (gg, s, 0), (1, w, kk))[0])(gi, start), 1, 2
+        )
+    else:
+        cols = jax.vmap(lambda gg, s: lax.dynamic_slice(b, (gg, 0, s), (1, kk, w))[0])(gi, start)
     # The barrier keeps XLA from folding this into the first product: a real recompute.
     rows, cols = lax.optimization_barrier((rows, cols))
     prod = lax.dot_general(
@@ -274,12 +293,16 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     f_da = f_db = None
     if faults is not None:
         f_da, f_db = faults[1], faults[2]
-    bt = jnp.swapaxes(b, 1, 2).astype(dy.dtype)
-    da, r_da = _checked_gemm(dy, bt, _encode(bt, policy), policy, f_da, precision, impl, a.dtype, "dx")
-    at = jnp.swapaxes(a, 1, 2).astype(dy.dtype)
+    # dx = dy @ wᵀ and dw = xᵀ @ dy read w and x where they lie (transposed operands: a copy of
+    # each, and a strided encode of wᵀ, cost the CPU more than the checks themselves).
+    bb, aa = b.astype(dy.dtype), a.astype(dy.dtype)
+    enc_bt = _encode(bb, policy, transposed=True)
+    da, r_da = _checked_gemm(dy, bb, enc_bt, policy, f_da, precision, impl, a.dtype, "dx", b_t=True)
     # The reduction over tokens gets its own safety factor (FaultPolicy.lam_dw says why).
     dw_policy = policy.replace(lam=policy.lam_dw)
-    db, r_db = _checked_gemm(at, dy, _encode(dy, policy), dw_policy, f_db, precision, impl, b.dtype, "dw")
+    db, r_db = _checked_gemm(
+        aa, dy, _encode(dy, policy), dw_policy, f_db, precision, impl, b.dtype, "dw", a_t=True
+    )
     zeros_enc = jax.tree.map(jnp.zeros_like, enc)
     no_faults = (
         None if faults is None else jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
@@ -389,9 +412,10 @@ def protected_bmm(
     return y.reshape(*lead, r, n), report
 
 
-def _encode(b, policy: FaultPolicy) -> WeightChecksums:
-    """On-the-fly checksum columns of a (G, K, N) operand; mode "off" reads none, so skip the pass."""
+def _encode(b, policy: FaultPolicy, transposed: bool = False) -> WeightChecksums:
+    """On-the-fly checksum columns of a (G, K, N) operand (stored as (G, N, K) if ``transposed``);
+    mode "off" reads none, so skip the pass."""
     if policy.enabled:
-        return abft_encode(b, policy.block_n)
-    g, k = b.shape[0], b.shape[1]
+        return abft_encode(b, policy.block_n, transposed=transposed)
+    g, k = b.shape[0], b.shape[2 if transposed else 1]
     return WeightChecksums(jnp.zeros((g, k, 0, 2), jnp.float32), jnp.zeros((g, k, 0), jnp.float32))
