@@ -1,4 +1,4 @@
-// CPU handlers of abft_check and abft_finish (the math and its bound are in abft.h).
+// CPU handlers of abft_check, abft_finish and abft_encode (the math and its bound are in abft.h).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "abft.h"
 
@@ -213,26 +214,27 @@ void RunRows(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r
   }
 }
 
-// Rows are independent, so they are split into chunks shared between this thread and XLA's
-// intra-op thread pool: each worker takes the next chunk from an atomic counter until none are
-// left, and this thread waits for the chunks others took. Below ~64K values the hand-off costs
+// Units (rows) are independent, so they are split into chunks shared between this thread and
+// XLA's intra-op thread pool: each worker takes the next chunk from an atomic counter until none
+// are left, and this thread waits for the chunks others took. Below ~64K values the hand-off costs
 // more than it saves (a GEMM output of 256 x 256 checks in ~20 us on one core). The state is
 // shared (not on this stack): a task the pool starts after the handler returned finds no chunks.
+// `fn(u0, u1)` runs units [u0, u1) and must capture by value.
 constexpr int64_t kMinValuesPerChunk = 1 << 15;
 
-void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, ffi::ThreadPool* pool) {
-  const int64_t values = io.rows * io.n_all;
+template <typename Fn>
+void ParallelUnits(ffi::ThreadPool* pool, int64_t units, int64_t values, Fn fn) {
   const int64_t threads = pool == nullptr ? 1 : pool->num_threads();
-  int64_t chunks = std::min<int64_t>(io.rows, values / kMinValuesPerChunk);
+  int64_t chunks = std::min<int64_t>(units, values / kMinValuesPerChunk);
   chunks = std::min<int64_t>(chunks, 4 * (threads + 1));
-  if (threads < 1 || chunks < 2) return RunRows(io, p, g, 0, io.rows);
+  if (threads < 1 || chunks < 2) return fn(0, units);
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto shared = std::make_shared<Shared>();
-  auto work = [shared, io, p, g, chunks]() {
+  auto work = [shared, fn, units, chunks]() {
     for (int64_t c; (c = shared->next.fetch_add(1)) < chunks;) {
-      RunRows(io, p, g, io.rows * c / chunks, io.rows * (c + 1) / chunks);
+      fn(units * c / chunks, units * (c + 1) / chunks);
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -243,6 +245,134 @@ void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, ffi::T
   }
   work();
   while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, ffi::ThreadPool* pool) {
+  ParallelUnits(pool, io.rows, io.rows * io.n_all,
+                [io, p, g](int64_t r0, int64_t r1) { RunRows(io, p, g, r0, r1); });
+}
+
+// abft_encode: a weight's checksum columns in one pass over it (the reference is the pure-JAX
+// abft_encode; f64 sums here, so the two agree to f32 rounding, not bit for bit).
+struct EncodeIo {
+  const void* w;
+  FloatKind kind;
+  float* sums;      // (G, K, nb, 2)
+  float* abs_sums;  // (G, K, nb)
+  int64_t k, n, block_n, nb;
+};
+
+// Rows of w (G, K, N): each (row, block) is one SumBlock, as y's blocks are in the check. A
+// non-finite weight makes its sums non-finite (the check then reports the GEMM, never trusts it).
+template <FloatKind KI>
+void EncodeRows(const EncodeIo& io, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < io.nb; ++b) {
+      const int64_t j0 = r * io.n + b * io.block_n;
+      const int64_t n = std::min(io.block_n, io.n - b * io.block_n);
+      BlockSums s = SumBlock<KI>(io.w, j0, n);
+      if (s.nonfinite > 0) {
+        s.s1 = s.s2 = s.sa = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const double v = LoadF(io.w, j0 + j, KI);
+          s.s1 += v;
+          s.s2 += static_cast<double>(j + 1) * v;
+          s.sa += std::fabs(v);
+        }
+      }
+      const int64_t o = r * io.nb + b;
+      io.sums[2 * o] = static_cast<float>(s.s1);
+      io.sums[2 * o + 1] = static_cast<float>(s.s2);
+      io.abs_sums[o] = static_cast<float>(s.sa);
+    }
+  }
+}
+
+// w stored transposed, (G, N, K): block b of the operand's columns is a block of w's rows, summed
+// row by row into per-k accumulators (contiguous, vectorisable), then written out (G, K, nb).
+template <FloatKind KI>
+void EncodeBlocksOfRows(const EncodeIo& io, int64_t u0, int64_t u1) {
+  std::vector<double> a1(io.k), a2(io.k), aa(io.k);
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t g = u / io.nb, b = u % io.nb;
+    std::fill(a1.begin(), a1.end(), 0.0);
+    std::fill(a2.begin(), a2.end(), 0.0);
+    std::fill(aa.begin(), aa.end(), 0.0);
+    const int64_t n = std::min(io.block_n, io.n - b * io.block_n);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t row = (g * io.n + b * io.block_n + j) * io.k;
+      const double pos = static_cast<double>(j + 1);
+      for (int64_t kk = 0; kk < io.k; ++kk) {
+        const double v = LoadF(io.w, row + kk, KI);
+        a1[kk] += v;
+        a2[kk] += pos * v;
+        aa[kk] += std::fabs(v);
+      }
+    }
+    for (int64_t kk = 0; kk < io.k; ++kk) {
+      const int64_t o = (g * io.k + kk) * io.nb + b;
+      io.sums[2 * o] = static_cast<float>(a1[kk]);
+      io.sums[2 * o + 1] = static_cast<float>(a2[kk]);
+      io.abs_sums[o] = static_cast<float>(aa[kk]);
+    }
+  }
+}
+
+template <FloatKind KI>
+void RunEncode(const EncodeIo& io, bool transposed, int64_t groups, ffi::ThreadPool* pool) {
+  const int64_t values = groups * io.k * io.n;
+  if (transposed) {
+    ParallelUnits(pool, groups * io.nb, values,
+                  [io](int64_t u0, int64_t u1) { EncodeBlocksOfRows<KI>(io, u0, u1); });
+  } else {
+    ParallelUnits(pool, groups * io.k, values,
+                  [io](int64_t r0, int64_t r1) { EncodeRows<KI>(io, r0, r1); });
+  }
+}
+
+ffi::Error AbftEncodeCpu(ffi::ThreadPool pool, ffi::AnyBuffer w, int64_t block_n, bool transposed,
+                         ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> abs_sums) {
+  FloatKind kind;
+  if (!ToFloatKind(w.element_type(), &kind)) {
+    return BadArg("abft_encode", std::string("w has dtype ") + DtypeName(w.element_type()) +
+                                     "; expected float32, bfloat16 or float16");
+  }
+  auto d = w.dimensions();
+  if (d.size() < 2 || block_n < 1) {
+    return BadArg("abft_encode", "w " + ShapeString(d) + ", block_n=" + std::to_string(block_n) +
+                                     "; expected (..., K, N) (or (..., N, K) transposed) and "
+                                     "block_n >= 1");
+  }
+  const int64_t rows = d[d.size() - 2], cols = d[d.size() - 1];
+  EncodeIo io{w.untyped_data(), kind, nullptr, nullptr, 0, 0, block_n, 0};
+  io.k = transposed ? cols : rows;
+  io.n = transposed ? rows : cols;
+  io.nb = io.n == 0 ? 0 : CeilDiv(io.n, block_n);
+  const int64_t groups = LeadingCount(d, 2);
+  if (sums->element_type() != ffi::DataType::F32 ||
+      abs_sums->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(sums->element_count()) != groups * io.k * io.nb * 2 ||
+      static_cast<int64_t>(abs_sums->element_count()) != groups * io.k * io.nb) {
+    return BadArg("abft_encode", "outputs " + ShapeString(sums->dimensions()) + " / " +
+                                     ShapeString(abs_sums->dimensions()) + " do not match w " +
+                                     ShapeString(d) +
+                                     "; expected float32 (..., K, nb, 2) and (..., K, nb)");
+  }
+  io.sums = static_cast<float*>(sums->untyped_data());
+  io.abs_sums = static_cast<float*>(abs_sums->untyped_data());
+  if (groups * io.k * io.nb == 0) return ffi::Error::Success();
+  switch (kind) {
+    case FloatKind::kF32:
+      RunEncode<FloatKind::kF32>(io, transposed, groups, &pool);
+      break;
+    case FloatKind::kBF16:
+      RunEncode<FloatKind::kBF16>(io, transposed, groups, &pool);
+      break;
+    case FloatKind::kF16:
+      RunEncode<FloatKind::kF16>(io, transposed, groups, &pool);
+      break;
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer checks,
@@ -337,3 +467,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCpu, pimlayers::AbftFinishCpu,
                                   .Ret<xla::ffi::AnyBuffer>()    // y_out: (..., M, N) out dtype
                                   .Ret<xla::ffi::AnyBuffer>()    // flags: (..., M, nb) int32
                                   .Ret<xla::ffi::AnyBuffer>());  // counts: (..., M) int32
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftEncodeCpu, pimlayers::AbftEncodeCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()   // XLA's intra-op threads
+                                  .Arg<xla::ffi::AnyBuffer>()    // w: (..., K, N) f32|bf16|f16
+                                  .Attr<int64_t>("block_n")      // column block width
+                                  .Attr<bool>("transposed")      // w stored as (..., N, K)
+                                  .Ret<xla::ffi::AnyBuffer>()    // sums: (..., K, nb, 2) f32
+                                  .Ret<xla::ffi::AnyBuffer>());  // abs_sums: (..., K, nb) f32

@@ -9,6 +9,7 @@ from ._abft import abft_check as abft_check
 from ._abft import abft_check_reference as abft_check_reference
 from ._abft import abft_checks as abft_checks
 from ._abft import abft_encode as abft_encode
+from ._abft import abft_encode_reference as abft_encode_reference
 from ._abft import abft_finish as abft_finish
 from ._abft import abft_finish_reference as abft_finish_reference
 from ._checksum import bank_checksums as bank_checksums

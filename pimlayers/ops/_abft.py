@@ -47,6 +47,7 @@ __all__ = [
     "abft_check_reference",
     "abft_checks",
     "abft_encode",
+    "abft_encode_reference",
     "abft_finish",
     "abft_finish_reference",
 ]
@@ -68,34 +69,17 @@ def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
     return bn, (0 if n == 0 else -(-n // bn))
 
 
-def abft_encode(
-    w: Float[Array, "*g k n"], block_n: int | None = None, *, transposed: bool = False
+def abft_encode_reference(
+    w: Float[Array, "*g k n"], block_n: int | None = None, transposed: bool = False
 ) -> WeightChecksums:
-    """Encode w's checksum columns (in f32; the writer of w calls this, "encode on write").
-
-    Leading axes of w (a batch of matrices, e.g. attention's keys per head) carry over to the sums.
-    ``transposed=True``: ``w`` holds the GEMM's operand transposed, (*g, N, K) (the backward's wᵀ is
-    the forward's w): the sums are those of its transpose, formed by reducing w's own rows in blocks,
-    so no transpose of w is ever materialised (on the CPU that copy cost more than the GEMM's checks).
-    """
-    if w.ndim < 2:
-        raise ValueError(f"pimlayers.abft_encode: w has shape {tuple(w.shape)}; expected (..., K, N)")
+    """Pure-JAX twin of the native encode (f32 sums; the native one sums in f64)."""
     if transposed:
         *g, n, k = w.shape
         bn, nb = _blocks(n, block_n)
         pad = [(0, 0)] * (w.ndim - 2) + [(0, nb * bn - n), (0, 0)]
         wf = jnp.pad(w.astype(jnp.float32), pad).reshape(*g, nb, bn, k)
-        lead = (1,) * (w.ndim - 2)
-        pos = jnp.arange(1, bn + 1, dtype=jnp.float32).reshape(*lead, 1, bn, 1)
-        parts = (wf, wf * pos, jnp.abs(wf))
-        # (*g, nb, K): small. On the CPU, XLA's reduction over the middle axis ran 6x slower than
-        # pairwise adds of whole rows (1024 x 256 f32, blocks of 128: 0.61 vs 0.10 ms); the GPU
-        # keeps its own reduction (not measured there with the adds).
-        s1, s2, sa = lax.platform_dependent(
-            *parts,
-            cpu=lambda *p: tuple(_pairwise_rows(v) for v in p),
-            default=lambda *p: tuple(v.sum(-2) for v in p),
-        )
+        pos = jnp.arange(1, bn + 1, dtype=jnp.float32).reshape(*(1,) * (w.ndim - 2), 1, bn, 1)
+        s1, s2, sa = wf.sum(-2), (wf * pos).sum(-2), jnp.abs(wf).sum(-2)  # (*g, nb, K): small
         sums = jnp.stack([jnp.swapaxes(s1, -1, -2), jnp.swapaxes(s2, -1, -2)], axis=-1)
         return WeightChecksums(sums, jnp.swapaxes(sa, -1, -2))
     *g, k, n = w.shape
@@ -108,14 +92,50 @@ def abft_encode(
     return WeightChecksums(sums, jnp.abs(wf).sum(-1))
 
 
-def _pairwise_rows(v: Float[Array, "*g b r k"]) -> Float[Array, "*g b k"]:
-    """Sum over the row axis (-2) by halving: each step adds two contiguous halves, elementwise."""
-    while v.shape[-2] > 1:
-        if v.shape[-2] % 2:
-            v = jnp.pad(v, [(0, 0)] * (v.ndim - 2) + [(0, 1), (0, 0)])
-        h = v.shape[-2] // 2
-        v = v[..., :h, :] + v[..., h:, :]
-    return v[..., 0, :]
+def _encode_native(w, block_n: int | None, transposed: bool) -> WeightChecksums:
+    *g, r, c = w.shape
+    k, n = (c, r) if transposed else (r, c)
+    bn, nb = _blocks(n, block_n)
+    out = (
+        jax.ShapeDtypeStruct((*g, k, nb, 2), jnp.float32),
+        jax.ShapeDtypeStruct((*g, k, nb), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("pimlayers_abft_encode", out, vmap_method="broadcast_all")
+    return WeightChecksums(*call(w, block_n=np.int64(bn), transposed=np.bool_(transposed)))
+
+
+def abft_encode(
+    w: Float[Array, "*g k n"],
+    block_n: int | None = None,
+    *,
+    transposed: bool = False,
+    impl: str = "auto",
+) -> WeightChecksums:
+    """Encode w's checksum columns (in f32; the writer of w calls this, "encode on write").
+
+    Leading axes of w (a batch of matrices, e.g. attention's keys per head) carry over to the sums.
+    ``transposed=True``: ``w`` holds the GEMM's operand transposed, (*g, N, K) (the backward's wᵀ is
+    the forward's w): the sums are those of its transpose, read from w in place, so no transpose is
+    materialised (on the CPU that copy cost more than the GEMM's checks).
+
+    The sums carry no gradient (``stop_gradient``). Native on the CPU, one pass over w: XLA's CPU
+    reductions took 0.13-1.2 ms there where the GEMM they protect took ~0.7 (2026-11-30). The GPU
+    keeps XLA's reductions (``impl="auto"``).
+    """
+    check_float("abft_encode", "w", w)
+    if w.ndim < 2:
+        raise ValueError(f"pimlayers.abft_encode: w has shape {tuple(w.shape)}; expected (..., K, N)")
+    if block_n is not None and (isinstance(block_n, bool) or int(block_n) < 1):
+        raise ValueError(f"pimlayers.abft_encode: block_n={block_n!r}; expected an int >= 1 or None")
+    check_impl("abft_encode", impl)
+    return dispatch(
+        "abft_encode",
+        impl,
+        lambda v: _encode_native(v, block_n, transposed),
+        lambda v: abft_encode_reference(v, block_n, transposed),
+        lax.stop_gradient(w),  # checksums carry no gradient (the protected GEMM's VJP gives them none)
+        native_on=("cpu",),
+    )
 
 
 def abft_checks(
