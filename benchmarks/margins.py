@@ -36,6 +36,11 @@ def run(config: str, layers: int, seq: int, steps: int, dtype: str, batch: int) 
             )
         )  # fmt: skip
         jax.effects_barrier()
+    return summarize(log), {"gemm": s["gemm"], "table": log.table(15)}
+
+
+def summarize(log) -> list[dict]:
+    """One row per kind of GEMM (role, shape, dtype), worst first."""
     kinds: dict[tuple, list] = collections.defaultdict(list)
     for m in log:
         kinds[(m.role, m.shape, m.dtype)].append(m)
@@ -57,7 +62,7 @@ def run(config: str, layers: int, seq: int, steps: int, dtype: str, batch: int) 
                 "nonfinite_y": sum(m.nonfinite_y for m in ms),
             }
         )
-    return rows, {"gemm": s["gemm"], "table": log.table(15)}
+    return rows
 
 
 def main(argv=None) -> None:

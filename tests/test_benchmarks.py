@@ -88,16 +88,33 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     assert abs(sum(r["share"] for r in s["kernels"]) - 1.0) < 1e-6 or len(names) == 50
 
 
-def test_margins_tool_reports_every_gemm_kind_of_a_training_step():
+def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
     import jax
+    import jax.numpy as jnp
 
     from benchmarks import margins
+    from pimlayers import ops
+    from pimlayers.faults import FaultPolicy, GemmFaults
 
-    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
-        rows, extra = margins.run("llama3_tiny", layers=1, seq=32, steps=1, dtype="float32", batch=0)
-    roles = {r["role"] for r in rows}
-    assert {"y", "dx", "dw"} <= roles
-    # A clean step: every GEMM inside its bound, and the step's own counters agree.
-    assert all(0 <= r["worst_ratio"] < 1 and r["blocks_over"] == 0 for r in rows)
-    assert extra["gemm"]["gemm_detected"] == 0 and extra["gemm"]["gemm_checked"] > 0
-    assert sum(r["calls"] for r in rows) >= len(rows)
+    x = jax.random.normal(jax.random.key(0), (24, 40))
+    w = jax.random.normal(jax.random.key(1), (40, 36)) / 8
+
+    def loss(a, b, faults):
+        return jnp.sum(jnp.sin(ops.protected_matmul(a, b, policy=FaultPolicy(block_n=16), faults=faults)[0]))
+
+    hit = (
+        GemmFaults.random(jax.random.key(2), (24, 36), 1, 1.0, bit=30),
+        GemmFaults.none(),
+        GemmFaults.none(),
+    )
+    with ops.check_margins() as log:
+        g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        jax.block_until_ready(g(x, w, hit))
+        jax.block_until_ready(g(x, w, hit))  # a second call: same kinds, two calls each
+        jax.effects_barrier()
+    rows = margins.summarize(log)
+    assert rows[0]["role"] == "y"  # the injected forward error is the worst
+    assert {r["role"] for r in rows} == {"y", "dx", "dw"} and all(r["calls"] == 2 for r in rows)
+    y = rows[0]
+    assert y["worst_ratio"] > 1 and y["calls_over"] == 2 and y["blocks_over"] == 2
+    assert all(r["worst_ratio"] < 1 and r["blocks_over"] == 0 for r in rows[1:])
