@@ -1,10 +1,24 @@
 """Strict settings for the whole suite: 8 simulated CPU devices, strict dtype promotion, rank
 promotion raises. XLA_FLAGS must be set before jax creates its backends, hence at import time here.
+
+Compiled programs go to a persistent compilation cache that lives for one session (a fresh
+temporary folder; set JAX_COMPILATION_CACHE_DIR to choose another): the training tests and the
+notebooks compile the same small training step several times (a resumed run, a second kernel), and
+on a 2-core CI machine that compile is most of their time (a repeat took ~19 s where the first
+took ~50). Only programs that took 0.5 s or more to compile are stored.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # inherited by the notebooks' kernels
+    _cache = tempfile.mkdtemp(prefix="pimlayers-test-jit-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax
 import pytest

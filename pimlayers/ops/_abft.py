@@ -37,6 +37,7 @@ from jaxtyping import Array, Float, Int32
 from ._common import UNIT_ROUNDOFF, check_float
 from ._dispatch import check_impl, dispatch
 from ._gate import gate_reference
+from ._rows import row_parallel
 
 __all__ = [
     "ABFT_CLEAN",
@@ -331,7 +332,7 @@ def abft_check(
     return dispatch(
         "abft_check",
         impl,
-        lambda a, c, m: _native(a, c, m, *args),
+        row_parallel(lambda a, c, m: _native(a, c, m, *args), (1, 2, 1), (1, 1)),
         lambda a, c, m: abft_check_reference(a, c, m, *args),
         y,
         checks,
@@ -425,7 +426,7 @@ def abft_finish(
     return dispatch(
         "abft_finish",
         impl,
-        lambda a, c, m: _finish_native(a, c, m, *args),
+        row_parallel(lambda a, c, m: _finish_native(a, c, m, *args), (1, 2, 1), (1, 1, 0)),
         lambda a, c, m: abft_finish_reference(a, c, m, *args),
         y,
         checks,
