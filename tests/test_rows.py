@@ -41,6 +41,7 @@ def test_protected_matmul_checks_each_devices_rows(cpu_mesh):
     rows = {re.search(r"f32\[1,(\d+),(\d+)\]", line).groups() for line in finishes}
     assert (str(m // n_dev), str(n)) in rows and (str(m // n_dev), str(k)) in rows, rows
     assert not any(str(m) == r for r, _ in rows)  # dw is (K, N): no token rows to split
+    assert "all-gather" not in hlo  # w is replicated; nothing gathers y or dy to every device
 
     (total, y), (gx, gw) = step(xs, ws, gs)
     one = jax.devices("cpu")[0]  # the unsharded run on one of the mesh's (CPU) devices, as they compute

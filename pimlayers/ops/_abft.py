@@ -129,10 +129,15 @@ def abft_encode(
     if block_n is not None and (isinstance(block_n, bool) or int(block_n) < 1):
         raise ValueError(f"pimlayers.abft_encode: block_n={block_n!r}; expected an int >= 1 or None")
     check_impl("abft_encode", impl)
+    if transposed:
+        native = lambda v: _encode_native(v, block_n, True)
+    else:  # w's rows are its sums' rows: each device encodes its own (dy's rows are tokens in dw)
+        rows = row_parallel(lambda v: tuple(_encode_native(v, block_n, False)), (1,), (2, 1))
+        native = lambda v: WeightChecksums(*rows(v))
     return dispatch(
         "abft_encode",
         impl,
-        lambda v: _encode_native(v, block_n, transposed),
+        native,
         lambda v: abft_encode_reference(v, block_n, transposed),
         lax.stop_gradient(w),  # checksums carry no gradient (the protected GEMM's VJP gives them none)
         native_on=("cpu",),
