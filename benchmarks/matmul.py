@@ -83,10 +83,11 @@ def _row(op: str, m: int, policy: FaultPolicy, t0: float, t1: float, flops: floa
 def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat16, block_ns=(None, 128)):
     """Where a protected forward GEMM's time goes: each stage timed alone, then together.
 
-    plain (XLA, output in the operands' dtype), the same GEMM with an f32 output (what the check
-    reads), the checks (``abft_checks``), ``abft_finish`` on that f32 output, the three in one jit,
-    and ``protected_matmul`` with and without its recompute (whole rows: a ``lax.cond`` branch;
-    column blocks: the branch-free gather of up to ``recompute_blocks`` flagged blocks).
+    plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the checks
+    (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
+    in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a
+    ``lax.cond`` branch) and, with column blocks, with the branch-free redo of up to 32 flagged
+    blocks (``FaultPolicy.recompute_blocks``).
     """
     rows = []
     for block_n in block_ns:
@@ -95,40 +96,37 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
             w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
             enc = ops.abft_encode(w, block_n)
-            gemm32 = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-            checks = jax.jit(ops.abft_checks)
-            y32, (c, mag) = gemm32(x, w), checks(x, enc)
             kw = dict(k=k, block_n=block_n, out_dtype=dtype)
 
-            def fused(a, b, e, kw=kw):
-                return ops.abft_finish(
-                    jnp.matmul(a, b, preferred_element_type=jnp.float32), *ops.abft_checks(a, e), **kw
-                )
+            def gemm_finish(a, b, c, d, kw=kw):
+                return ops.abft_finish(jnp.matmul(a, b), c, d, **kw)
 
+            def fused(a, b, e, kw=kw):
+                return ops.abft_finish(jnp.matmul(a, b), *ops.abft_checks(a, e), **kw)
+
+            def protected(p, args=(x, w, enc)):
+                return jax.jit(lambda xx, ww, ee: ops.protected_matmul(xx, ww, ee, policy=p)), args
+
+            c, mag = jax.jit(ops.abft_checks)(x, enc)
             fns = {
                 "plain": (jax.jit(jnp.matmul), (x, w)),
-                "gemm_f32_out": (gemm32, (x, w)),
-                "checks": (checks, (x, enc)),
-                "finish": (jax.jit(lambda a, b, d, kw=kw: ops.abft_finish(a, b, d, **kw)), (y32, c, mag)),
+                "checks": (jax.jit(ops.abft_checks), (x, enc)),
+                "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
                 "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
-                "protected": (
-                    jax.jit(lambda a, b, e, p=policy: ops.protected_matmul(a, b, e, policy=p)),
-                    (x, w, enc),
-                ),
-                "protected_no_recompute": (
-                    jax.jit(
-                        lambda a, b, e, p=policy: ops.protected_matmul(
-                            a, b, e, policy=p.replace(recompute=False)
-                        )
-                    ),
-                    (x, w, enc),
-                ),
+                "protected": protected(policy),
+                "protected_no_recompute": protected(policy.replace(recompute=False)),
             }
-            _, rep = fns["protected"][0](x, w, enc)
-            if rep.to_dict()["gemm_detected"]:
-                raise AssertionError(f"protected_matmul {k}->{n}: false detection {rep.to_dict()}")
+            if block_n is not None:
+                fns["protected_redo_blocks"] = protected(policy.replace(recompute_blocks=32))
+            for name in ("protected", "protected_redo_blocks"):
+                if name in fns:
+                    _, rep = fns[name][0](x, w, enc)
+                    if rep.to_dict()["gemm_detected"]:
+                        raise AssertionError(f"{name} {k}->{n}: false detection {rep.to_dict()}")
             row = dict(op=f"fwd {k}->{n}", m=m, block_n=block_n or "row")
             row.update({f"{name}_ms": time_fn(fn, *a) * 1e3 for name, (fn, a) in fns.items()})
             row["ratio"] = row["plain_ms"] / row["protected_ms"]
+            if block_n is not None:
+                row["ratio_redo_blocks"] = row["plain_ms"] / row["protected_redo_blocks_ms"]
             rows.append(row)
     return rows

@@ -151,12 +151,16 @@ inline int GateCopyF32(const float* in, float* out, int64_t n, const GateSpec& g
   return dropped;
 }
 
+// In place (io.out == io.y, one dtype) the block is only read; a located error is rebuilt and then
+// the gate, if on, replaces what must go in the final block, so the count is of stored values. Out
+// of place, the gated cast is written as the block is summed and the rebuild corrects the count.
 template <FloatKind KI, FloatKind KO>
 void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0, int64_t r1) {
-  const bool write_all = io.out != io.y || g.on || KI != KO;
+  const bool write_all = io.out != io.y || KI != KO;
+  const GateSpec no_gate{false, 0, 0};
   for (int64_t r = r0; r < r1; ++r) {
-    int dropped = 0;
     for (int64_t b = 0; b < io.nb; ++b) {
+      int dropped = 0;
       const int64_t j0 = r * io.n_all + b * io.block_n;
       const int64_t n =
           io.n_all - b * io.block_n < io.block_n ? io.n_all - b * io.block_n : io.block_n;
@@ -171,23 +175,36 @@ void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0
       }
       const int64_t cb = r * io.nb + b;
       const float c1 = io.checks[2 * cb];
+      auto load = [&](int64_t j) { return static_cast<double>(LoadF(io.y, j0 + j, KI)); };
       AbftDecision d = AbftDecide(s.s1, s.s2, s.sa, s.nonfinite, s.nf_loc, c1,
-                                  io.checks[2 * cb + 1], io.mag[cb], n, p);
+                                  io.checks[2 * cb + 1], io.mag[cb], n, p, load);
       if (d.flag == kAbftCorrected) {
-        auto load = [&](int64_t j) { return static_cast<double>(LoadF(io.y, j0 + j, KI)); };
         const AbftFix fix = AbftRebuild(load, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p);
         if (fix.ok) {
+          const GateSpec& gs = write_all ? g : no_gate;  // in place: gated below
           int before = 0;
-          GateCast(LoadF(io.y, j0 + d.loc, KI), KO, g, &before);  // was it gated in the pass?
-          if (write_all) dropped -= before;
-          StoreF(io.out, j0 + d.loc, GateCast(fix.value, KO, g, &dropped), KO);
+          GateCast(LoadF(io.y, j0 + d.loc, KI), KO, gs, &before);  // was it gated in the pass?
+          dropped -= before;
+          StoreF(io.out, j0 + d.loc, GateCast(fix.value, KO, gs, &dropped), KO);
         } else {
           d.flag = kAbftDetected;
         }
       }
+      if (!write_all && g.on && KO == FloatKind::kF32) {
+        float* row = static_cast<float*>(io.out) + j0;
+        dropped += GateCopyF32(row, row, n, g);
+      } else if (!write_all && g.on) {
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = LoadF(io.out, j0 + j, KO);
+          int gone = 0;
+          GateCast(v, KO, g, &gone);
+          if (gone) StoreF(io.out, j0 + j, g.fill, KO);
+          dropped += gone;
+        }
+      }
       io.flags[cb] = d.flag;
+      if (io.counts != nullptr) io.counts[cb] = dropped;
     }
-    if (io.counts != nullptr) io.counts[r] = dropped;
   }
 }
 
@@ -415,7 +432,7 @@ ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer 
                                &n_all, &nb);
       e.failure())
     return e;
-  if (auto e = CheckFinishOutputs(y, *y_out, *counts, rows, &out_kind); e.failure()) return e;
+  if (auto e = CheckFinishOutputs(y, *y_out, *counts, rows * nb, &out_kind); e.failure()) return e;
   AbftIo io{y.untyped_data(),
             kind,
             y_out->untyped_data(),
@@ -466,7 +483,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCpu, pimlayers::AbftFinishCpu,
                                   .Attr<float>("limit")          // |y| > limit is gated too
                                   .Ret<xla::ffi::AnyBuffer>()    // y_out: (..., M, N) out dtype
                                   .Ret<xla::ffi::AnyBuffer>()    // flags: (..., M, nb) int32
-                                  .Ret<xla::ffi::AnyBuffer>());  // counts: (..., M) int32
+                                  .Ret<xla::ffi::AnyBuffer>());  // counts: (..., M, nb) int32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftEncodeCpu, pimlayers::AbftEncodeCpu,
                               xla::ffi::Ffi::Bind()

@@ -50,9 +50,12 @@ PL_HD float AbftBound(float mag, double sum_abs, int64_t n, const AbftParams& p)
          p.u_y * static_cast<float>(sum_abs);
 }
 
+// `load(j)` reads the block's value j (as stored): needed only to locate an error in a rounded
+// (bf16/f16) y, where the candidate's own magnitude leaves the bound (see below).
+template <typename LoadFn>
 PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonfinite,
                               int64_t nonfinite_loc, float c1, float c2, float mag, int64_t n,
-                              const AbftParams& p) {
+                              const AbftParams& p, LoadFn load) {
   AbftDecision d{kAbftClean, -1};
   float b1 = AbftBound(mag, sum_abs, n, p);
   double nd = static_cast<double>(n);
@@ -72,9 +75,18 @@ PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonf
   bool bad_inputs = !IsFiniteF(c1) || !IsFiniteF(c2) || !IsFiniteF(mag);
   if (!bad_inputs && fabs(r1) <= b1 && fabs(r2) <= static_cast<double>(n) * b1) return d;
   if (!p.correct || bad_inputs) return {kAbftDetected, -1};
-  if (!(fabs(r1) > 4.0 * static_cast<double>(n) * b1)) return {kAbftDetected, -1};
   double j = rint(r2 / r1) - 1.0;
   if (!(j >= 0.0 && j < static_cast<double>(n))) return {kAbftDetected, -1};
+  // A rounded y's term u_y * sum |y| holds the wrong value's own magnitude, which would keep any
+  // error from being located (4 n u_y |e| > |e| for n = 128 in bf16). But everything at column j
+  // (the error and its rounding) is the one error the location test assumes; only the other
+  // values' rounding is noise. So the candidate's magnitude leaves the bound; a wrong candidate
+  // is caught by the rebuilt block's check (AbftRebuild), whose bound counts every value.
+  if (p.u_y > 0) {
+    const double rest = sum_abs - fabs(load(static_cast<int64_t>(j)));
+    b1 = AbftBound(mag, rest > 0 ? rest : 0.0, n, p);
+  }
+  if (!(fabs(r1) > 4.0 * static_cast<double>(n) * b1)) return {kAbftDetected, -1};
   // One error e at column j leaves r2 = (j + 1) r1 up to rounding: the checksums' (|r1| <= b1,
   // |r2| <= n b1) and the f64 sums' (n terms of at most n |e|). Two errors of very different size
   // also point at a column; their remainder (b - a) e_b exceeds this, and the block goes to
@@ -138,8 +150,9 @@ PL_HD float GateCast(float v, FloatKind out, const GateSpec& g, int* dropped) {
   return g.fill;
 }
 
-// Where y comes from and goes to. out may alias y (abft_check: same dtype, no gate; then only
-// corrected values are written). counts may be null (abft_check has no gate).
+// Where y comes from and goes to. out may alias y when both have one dtype (abft_check; abft_finish
+// in place): then y is only read, and only corrected and gated values are written. counts (gated
+// values per row block) may be null (abft_check has no gate).
 struct AbftIo {
   const void* y;
   FloatKind in_kind;
@@ -193,9 +206,9 @@ inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer&
   return ffi::Error::Success();
 }
 
-// abft_finish's extra outputs: y_out in a float dtype of y's shape, counts (..., M) int32.
+// abft_finish's extra outputs: y_out in a float dtype of y's shape, counts (..., M, nb) int32.
 inline ffi::Error CheckFinishOutputs(const ffi::AnyBuffer& y, const ffi::AnyBuffer& y_out,
-                                     const ffi::AnyBuffer& counts, int64_t rows,
+                                     const ffi::AnyBuffer& counts, int64_t blocks,
                                      FloatKind* out_kind) {
   if (!ToFloatKind(y_out.element_type(), out_kind) || y_out.element_count() != y.element_count()) {
     return BadArg("abft_finish", "y_out " + ShapeString(y_out.dimensions()) + " " +
@@ -203,10 +216,10 @@ inline ffi::Error CheckFinishOutputs(const ffi::AnyBuffer& y, const ffi::AnyBuff
                                      ShapeString(y.dimensions()) + " in float32|bfloat16|float16");
   }
   if (counts.element_type() != ffi::DataType::S32 ||
-      static_cast<int64_t>(counts.element_count()) != rows) {
+      static_cast<int64_t>(counts.element_count()) != blocks) {
     return BadArg("abft_finish", "counts " + ShapeString(counts.dimensions()) +
-                                     "; expected int32 with one count per row of y (" +
-                                     std::to_string(rows) + ")");
+                                     "; expected int32 with one count per row block of y (" +
+                                     std::to_string(blocks) + ")");
   }
   return ffi::Error::Success();
 }

@@ -1,5 +1,7 @@
 """abft_finish (check + correct + gate + cast in one pass) and the bf16 split checks."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,19 +39,21 @@ def _faulty(rng, y):
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("block_n", [None, 32, 128])
 @pytest.mark.parametrize(("gate", "limit"), [(True, None), (True, 40.0), (False, None)])
-def test_native_equals_reference(out_dtype, block_n, gate, limit):
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
+def test_native_equals_reference(in_dtype, out_dtype, block_n, gate, limit):
+    """y in f32 (cast by the pass) or bf16 (a bf16 GEMM's product; in place when out is bf16)."""
     rng = np.random.default_rng(7)
     y, c, mag = _gemm(rng, 24, 64, 200, block_n)
-    bad = _faulty(rng, y)
+    bad = _faulty(rng, y).astype(in_dtype)
     kw = dict(k=64, block_n=block_n, out_dtype=out_dtype, gate=gate, fill=-1.0, limit=limit)
     o_n, f_n, n_n = ops.abft_finish(bad, c, mag, impl="native", **kw)
     o_r, f_r, n_r = ops.abft_finish(bad, c, mag, impl="reference", **kw)
-    assert o_n.dtype == out_dtype and o_n.shape == y.shape and n_n.shape == (24,)
+    assert o_n.dtype == out_dtype and o_n.shape == y.shape and n_n.shape == f_n.shape == (24, c.shape[1])
     assert np.array_equal(np.asarray(f_n), np.asarray(f_r))
     assert np.array_equal(np.asarray(n_n), np.asarray(n_r))
     assert (np.asarray(f_n) == ops.ABFT_CORRECTED).any() and (np.asarray(f_n) == ops.ABFT_DETECTED).any()
-    if gate and (out_dtype != jnp.float32 or limit is not None):
-        assert np.asarray(n_n)[7] == 2
+    if gate and (out_dtype != jnp.float32 or limit is not None or in_dtype != jnp.float32):
+        assert np.asarray(n_n)[7].sum() == 2
     # Rebuilt values differ by the sums' rounding (f64 native, f32 reference) before the cast.
     a, b = np.asarray(o_n, np.float32), np.asarray(o_r, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
@@ -66,7 +70,7 @@ def test_rows_split_over_threads_equal_the_reference(block_n):
     kw = dict(k=48, block_n=block_n, out_dtype=jnp.bfloat16, gate=True, fill=0.0, limit=None)
     got = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="native", **kw))(bad, c, mag)
     want = ops.abft_finish(bad, c, mag, impl="reference", **kw)
-    for g, w in zip(got[1:], want[1:], strict=True):  # flags and gated counts, row by row
+    for g, w in zip(got[1:], want[1:], strict=True):  # flags and gated counts, block by block
         assert np.array_equal(np.asarray(g), np.asarray(w))
     np.testing.assert_allclose(
         np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-3
@@ -91,7 +95,7 @@ def test_a_located_nan_is_rebuilt_not_gated_and_two_are_gated(impl):
     bad = y.at[0, 5].set(jnp.nan).at[1, 7].set(jnp.nan).at[1, 9].set(jnp.inf)
     out, flags, counts = ops.abft_finish(bad, c, mag, k=32, out_dtype=jnp.bfloat16, fill=0.0, impl=impl)
     assert np.asarray(flags)[:, 0].tolist() == [ops.ABFT_CORRECTED, ops.ABFT_DETECTED, 0, 0]
-    assert np.asarray(counts).tolist() == [0, 2, 0, 0]  # the rebuilt NaN is a value again, not gated
+    assert np.asarray(counts)[:, 0].tolist() == [0, 2, 0, 0]  # the rebuilt NaN is a value again, not gated
     assert abs(float(out[0, 5]) - float(y[0, 5])) <= 1e-2 * (1 + abs(float(y[0, 5])))
     assert float(out[1, 7]) == 0.0 and float(out[1, 9]) == 0.0
 
@@ -103,6 +107,35 @@ def test_protected_matmul_gates_in_the_same_pass():
     want = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     assert y.dtype == jnp.bfloat16 and np.asarray(y).tobytes() == np.asarray(want).tobytes()
     assert int(report.gemm_detected) == 0 and int(report.nonfinite_gated) == 0
+
+
+def test_a_bf16_product_is_checked_in_place_without_a_copy():
+    """A bf16 GEMM's output checked where it lies: the compiled program aliases the check's output
+    to the product (no copy of it), and a fault in it is still found and rebuilt."""
+    rng = np.random.default_rng(13)
+    x = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 256)) / 10, jnp.bfloat16)
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, 128))
+
+    def step(x, w, c, mag, hit):
+        y = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16)
+        y = y.at[5, 7].add(hit)  # a fault (0: none), as data
+        return ops.abft_finish(y, c, mag, k=96, block_n=128, impl="native")
+
+    f = jax.jit(step)
+    hlo = f.lower(x, w, c, mag, jnp.bfloat16(0)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]  # the program's own instructions (fusions' bodies elsewhere)
+    assert "output_to_operand_aliasing={{0}: (0, {})}" in entry
+    assert not re.search(r"= bf16\[64,256\]\{[^}]*\} copy\(", entry), "the product was copied"
+    clean, f0, n0 = f(x, w, c, mag, jnp.bfloat16(0))
+    out, f1, n1 = f(x, w, c, mag, jnp.bfloat16(1e4))  # located: > 4·128·bound
+    assert not np.asarray(f0).any() and not np.asarray(n0).any() and not np.asarray(n1).any()
+    assert np.asarray(f1)[5].tolist() == [ops.ABFT_CORRECTED, ops.ABFT_CLEAN]
+    # Rebuilt from the checksum: within the bound (bf16's rounding of the block's 127 other values).
+    assert abs(float(out[5, 7]) - float(clean[5, 7])) <= 2.0**-8 * float(
+        jnp.abs(clean[5, :128].astype(jnp.float32)).sum()
+    )
+    assert np.array_equal(np.delete(np.asarray(out), 7, axis=1), np.delete(np.asarray(clean), 7, axis=1))
 
 
 @pytest.mark.parametrize("jit", [False, True])

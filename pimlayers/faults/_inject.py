@@ -48,14 +48,20 @@ class GemmFaults(NamedTuple):
 
 
 def inject_gemm_faults(y: Float[Array, "m n"], faults: GemmFaults | None) -> Float[Array, "m n"]:
-    """Flip the active sites' bits of an f32 GEMM output (a no-op for None)."""
+    """Flip the active sites' bits of a GEMM's f32 accumulator (a no-op for None).
+
+    ``y`` is the GEMM's output: f32, or bf16/f16 when the GEMM rounded its accumulator on the way out
+    (the protected GEMMs check a bf16 product where it lies). Then each site's stored value is
+    widened to f32 (exact), the f32 bit flipped and the result rounded back, as the GEMM's epilogue
+    would have rounded the corrupted accumulator: a flip below the storage precision vanishes. Only
+    the F sites are touched (gather, scatter), never the whole output.
+    """
     if faults is None:
         return y
-    bits = lax.bitcast_convert_type(y, jnp.uint32)
     mask = jnp.where(
         faults.active, jnp.left_shift(jnp.uint32(1), faults.bits.astype(jnp.uint32)), jnp.uint32(0)
     )
     # Gather, XOR, scatter: a site drawn twice flips once (its last draw wins).
-    old = bits[faults.rows, faults.cols]
-    bits = bits.at[faults.rows, faults.cols].set(old ^ mask, mode="drop")
-    return lax.bitcast_convert_type(bits, jnp.float32)
+    old = lax.bitcast_convert_type(y[faults.rows, faults.cols].astype(jnp.float32), jnp.uint32)
+    new = lax.bitcast_convert_type(old ^ mask, jnp.float32).astype(y.dtype)
+    return y.at[faults.rows, faults.cols].set(new, mode="drop")

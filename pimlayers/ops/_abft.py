@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int32
 
 from ._common import UNIT_ROUNDOFF, check_float
 from ._dispatch import check_impl, dispatch
-from ._gate import gate_reference
+from ._gate import gate_keep, gate_reference
 from ._rows import row_parallel
 
 __all__ = [
@@ -249,14 +249,20 @@ def abft_check_reference(
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
     jl = jnp.rint(r2 / r1) - 1.0
+    # Locating in a rounded y: the candidate's own magnitude leaves the bound (csrc/abft.h).
+    yj = jnp.take_along_axis(yz, jnp.clip(jl, 0, bn - 1).astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    b1_loc = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * jnp.maximum(sa - jnp.abs(yj), 0.0)
+    if u_y == 0.0:
+        b1_loc = b1
     # A single error leaves r2 = (jl + 1) r1 up to rounding (csrc/abft.h; the sums here are f32, so
     # the rounding term uses f32's epsilon); two errors of very different size do not.
-    tol = 2.0 * width * b1 + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
+    tol = 2.0 * width * b1_loc + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
     single = jnp.abs(r2 - (jl + 1.0) * r1) <= tol
-    locatable = correct & ~bad & (jnp.abs(r1) > 4.0 * width * b1) & (jl >= 0) & (jl < width) & single
+    locatable = correct & ~bad & (jnp.abs(r1) > 4.0 * width * b1_loc) & (jl >= 0) & (jl < width) & single
     n_nonfinite = nonfinite.sum(-1)
     nf_loc = jnp.argmax(nonfinite, axis=-1).astype(jnp.float32)
-    nf_single = jnp.abs(r2 - (nf_loc + 1.0) * r1) <= tol
+    tol_nf = 2.0 * width * b1 + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
+    nf_single = jnp.abs(r2 - (nf_loc + 1.0) * r1) <= tol_nf
     flag = jnp.where(
         n_nonfinite > 0,
         jnp.where(
@@ -370,10 +376,13 @@ def abft_finish_reference(
     """Pure-JAX twin of the native abft_finish: check and correct, cast, then gate the stored value."""
     out, flags = abft_check_reference(y, checks, mag, k, block_n, lam, u, correct, width)
     out = out.astype(out_dtype)
-    if gate:
-        out, counts = gate_reference(out, fill, limit)
-    else:
-        counts = jnp.zeros(y.shape[:-1], jnp.int32)
+    if not gate:
+        return out, flags, jnp.zeros(flags.shape, jnp.int32)
+    gone = ~gate_keep(out, limit)  # judged on the final (corrected, cast) values
+    out, _ = gate_reference(out, fill, limit)
+    n, nb = y.shape[-1], flags.shape[-1]
+    pad = [(0, 0)] * (y.ndim - 1) + [(0, nb * block_n - n)]
+    counts = jnp.pad(gone, pad).reshape(*y.shape[:-1], nb, block_n).sum(-1, dtype=jnp.int32)
     return out, flags, counts
 
 
@@ -381,9 +390,15 @@ def _finish_native(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate,
     out = (
         jax.ShapeDtypeStruct(y.shape, out_dtype),
         jax.ShapeDtypeStruct(mag.shape, jnp.int32),
-        jax.ShapeDtypeStruct(y.shape[:-1], jnp.int32),
+        jax.ShapeDtypeStruct(mag.shape, jnp.int32),
     )
-    call = jax.ffi.ffi_call("pimlayers_abft_finish", out, vmap_method="broadcast_all")
+    # y_out aliases y when it has y's dtype (a GEMM's bf16 output checked where it lies): the
+    # kernel then only reads y and writes what it corrects or gates. Inside jit y is the GEMM's
+    # temporary, so XLA donates it and nothing is copied.
+    alias = {0: 0} if jnp.dtype(out_dtype) == y.dtype else {}
+    call = jax.ffi.ffi_call(
+        "pimlayers_abft_finish", out, vmap_method="broadcast_all", input_output_aliases=alias
+    )
     gated = dict(gate=np.bool_(gate), fill=np.float32(fill), limit=np.float32(limit))
     return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct), **gated)
 
@@ -403,17 +418,21 @@ def abft_finish(
     fill: float = 0.0,
     limit: float | None = None,
     impl: str = "auto",
-) -> tuple[Float[Array, "*m n"], Int32[Array, "*m nb"], Int32[Array, "*m"]]:
+) -> tuple[Float[Array, "*m n"], Int32[Array, "*m nb"], Int32[Array, "*m nb"]]:
     """:func:`abft_check`, the insulation gate and the cast to ``out_dtype`` in one pass over y.
 
-    What a protected GEMM does with its f32 product: verify (and correct) it where the bound is
+    What a protected GEMM does with an f32 product: verify (and correct) it where the bound is
     tight, then store it in the layer's dtype with non-finite (and ``|y| > limit``) values replaced
     by ``fill`` — judged after the cast, so an f32 value that overflows bf16 is caught too. Three
     separate passes (check, gate, cast) read y three times; this reads it once.
 
+    With ``out_dtype`` equal to y's dtype (a GEMM that wrote bf16 itself) the native op works in
+    place: y is read once and only corrected or gated values are written (the bound then carries
+    y's storage rounding, ``u_y · Σ|y|``, see the module docstring).
+
     Returns ``(y_out, flags, counts)``: y_out in ``out_dtype`` (default y's), flags per (row, block)
-    as :func:`abft_check`, counts (int32, per row) of gated values. Not differentiable (the
-    protected GEMMs' custom VJP wraps it).
+    as :func:`abft_check`, counts (int32, per (row, block), like flags) of gated values in the
+    stored block. Not differentiable (the protected GEMMs' custom VJP wraps it).
     """
     check_impl("abft_finish", impl)
     check_float("abft_finish", "y", y)
@@ -431,7 +450,7 @@ def abft_finish(
     return dispatch(
         "abft_finish",
         impl,
-        row_parallel(lambda a, c, m: _finish_native(a, c, m, *args), (1, 2, 1), (1, 1, 0)),
+        row_parallel(lambda a, c, m: _finish_native(a, c, m, *args), (1, 2, 1), (1, 1, 1)),
         lambda a, c, m: abft_finish_reference(a, c, m, *args),
         y,
         checks,

@@ -23,7 +23,8 @@ from ._rows import row_parallel
 __all__ = ["gate", "gate_reference"]
 
 
-def _keep(x, limit: float):
+def gate_keep(x, limit: float):
+    """True where the gate keeps x: finite and |x| <= limit."""
     xf = x.astype(jnp.float32)  # compare in f32, as the native handlers do
     return jnp.isfinite(xf) & (jnp.abs(xf) <= jnp.float32(limit))
 
@@ -32,7 +33,7 @@ def gate_reference(
     x: Float[Array, "*rows n"], fill: float = 0.0, limit: float = math.inf
 ) -> tuple[Float[Array, "*rows n"], Int[Array, "*rows"]]:
     """Pure-JAX twin of the native gate (same outputs, bit for bit)."""
-    keep = _keep(x, limit)
+    keep = gate_keep(x, limit)
     y = jnp.where(keep, x, jnp.asarray(fill, jnp.float32).astype(x.dtype))
     dropped = (~keep).astype(jnp.int32)
     counts = dropped if x.ndim == 0 else jnp.sum(dropped, axis=-1, dtype=jnp.int32)
@@ -69,7 +70,7 @@ def _gate_jvp(fill, limit, impl, primals, tangents):
     # a NaN cotangent at a replaced position never reaches dx.
     (x,), (dx,) = primals, tangents
     y, counts = _gate(x, fill, limit, impl)
-    dy = jnp.where(_keep(x, limit), dx, jnp.zeros_like(dx))
+    dy = jnp.where(gate_keep(x, limit), dx, jnp.zeros_like(dx))
     return (y, counts), (dy, np.zeros(counts.shape, jax.dtypes.float0))
 
 

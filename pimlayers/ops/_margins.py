@@ -9,7 +9,7 @@ Each record also says how the largest ratio arose: the block's |sum of y| over i
 (``|s1| / mag``: near 1 means same-sign products, whose rounding errors do not cancel) and whether
 any check or output was non-finite.
 
-The extra pass is pure JAX over the f32 product (one more read of it per GEMM): a diagnostic, not
+The extra pass is pure JAX over the product (one more read of it per GEMM): a diagnostic, not
 for timing. It applies to functions traced inside the context (jit caches what it traced before).
 """
 
@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._common import UNIT_ROUNDOFF
 
 __all__ = ["CheckMargin", "MarginLog", "check_margins"]
 
@@ -83,14 +85,16 @@ def active() -> bool:
 
 
 def record(role: str, y, checks, mag, dtype, *, k: int, block_n: int | None, lam: float) -> None:
-    """Inside ``check_margins``: emit one record for y (G, R, N) f32 (a product over K = k of ``dtype``
-    operands) against checks (G, R, nb, 2) and mag (G, R, nb). Elsewhere: nothing."""
+    """Inside ``check_margins``: emit one record for y (G, R, N) f32 or bf16 (a product over K = k
+    of ``dtype`` operands) against checks (G, R, nb, 2) and mag (G, R, nb). Elsewhere: nothing."""
     log = _ACTIVE
     if log is None:
         return
     g, r, n = y.shape
     block_n = n if block_n is None else block_n
     u = 2.0**-24  # the f32 accumulation's unit roundoff, as in the check
+    u_y = 0.0 if y.dtype == jnp.float32 else UNIT_ROUNDOFF[jnp.dtype(y.dtype)]  # y's storage
+    y = y.astype(jnp.float32)
     nb = checks.shape[-2]
     yb = jnp.pad(y, ((0, 0), (0, 0), (0, nb * block_n - n))).reshape(g, r, nb, block_n)
     # Explicit shapes throughout (rank promotion may be set to raise).
@@ -99,7 +103,7 @@ def record(role: str, y, checks, mag, dtype, *, k: int, block_n: int | None, lam
     yz = jnp.where(finite, yb, 0.0)
     col = jnp.arange(1, block_n + 1, dtype=jnp.float32).reshape(1, 1, 1, block_n)
     s1, s2 = yz.sum(-1), (yz * col).sum(-1)
-    b1 = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag
+    b1 = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * jnp.abs(yz).sum(-1)
     ok = jnp.isfinite(checks).all(-1) & jnp.isfinite(mag)
     ratio = jnp.maximum(jnp.abs(s1 - checks[..., 0]) / b1, jnp.abs(s2 - checks[..., 1]) / (width * b1))
     ratio = jnp.where(ok & (b1 > 0), ratio, 0.0)

@@ -1,17 +1,19 @@
 """protected_matmul: y = x @ w verified by ABFT, corrected, recomputed on a rare slow path, reported.
 
 Forward, for x: (..., K) and w: (K, N) in f32, bf16 or f16:
-  1. y32 = x @ w with f32 accumulation (bf16/f16 products are exact in f32; f32 inputs run at
-     HIGHEST precision so TF32 rounding cannot swamp the bound);
-  2. [tests and demos] injected faults flip bits of y32 inside the compiled step;
-  3. abft_finish checks y32 against the weight's encoded checksum columns (``enc``; "encode on write": whoever
-     writes w refreshes them) — before rounding to bf16, where the bound is tight;
+  1. y = x @ w with f32 accumulation (bf16/f16 products are exact in f32; f32 inputs run at
+     HIGHEST precision so TF32 rounding cannot swamp the bound), written by the GEMM in bf16 when
+     operands and result are bf16 (its epilogue rounds the accumulator once), else in f32;
+  2. [tests and demos] injected faults flip bits of the f32 accumulator inside the compiled step;
+  3. abft_finish checks y against the weight's encoded checksum columns (``enc``; "encode on
+     write": whoever writes w refreshes them); a bf16 y is checked where it lies, its rounding
+     in the bound (``_product_dtype`` says why that keeps the check about as sharp);
   4. errors located there are rebuilt in place; anything detected but not located triggers one
      recompute of the GEMM under ``lax.cond`` (the rare slow path) or, with
      ``policy.recompute_blocks``, a branch-free redo of the flagged column blocks alone; either is
      checked again, and what still disagrees is reported as uncorrectable — never silent;
   5. the insulation gate replaces non-finite (and out-of-range) values and counts them; checks 3-5
-     and the cast to the output dtype are one pass over y32 (``abft_finish``).
+     (and an f32 product's cast to the output dtype) are one pass over y (``abft_finish``).
 
 Backward (custom VJP): dx = dy @ w^T and dw = x^T @ dy go through the same checked GEMM, with the
 checksum columns of w^T and dy encoded on the fly, and the same gate. Their report comes out as
@@ -65,11 +67,30 @@ def _to_tap(r: FaultReport) -> jax.Array:
     return jnp.stack([getattr(r, name).astype(jnp.float32) for name in REPORT_FIELDS])
 
 
-def _dot(a, b, precision, a_t: bool = False, b_t: bool = False):
-    """(G, R, K) @ (G, K, N) -> (G, R, N) in f32 (bf16/f16 products are exact in f32). ``a_t``: a is
-    stored as (G, K, R); ``b_t``: b as (G, N, K) (the backward's transposes, never materialised)."""
+def _dot(a, b, precision, a_t: bool = False, b_t: bool = False, out=jnp.float32):
+    """(G, R, K) @ (G, K, N) -> (G, R, N), accumulated in f32 (bf16/f16 products are exact in f32)
+    and stored as ``out``. ``a_t``: a is stored as (G, K, R); ``b_t``: b as (G, N, K) (the
+    backward's transposes, never materialised)."""
     dims = (((1 if a_t else 2,), (2 if b_t else 1,)), ((0,), (0,)))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out)
+
+
+def _product_dtype(a, b, out_dtype):
+    """The dtype the checked GEMM writes its product in.
+
+    bf16 operands with a bf16 result: bf16, rounded once from the f32 accumulator by the GEMM's own
+    epilogue, and checked where it lies (in place). An f32 product costs the GEMM 2 extra bytes
+    per value written and the check 2 more read plus 2 written for the cast (on an H200 at
+    8192 x 4096 -> 14336: ~0.07 ms GEMM and ~0.34 ms finish, against ~0.06 ms for reading bf16).
+    The check's bound then carries bf16's rounding of y (``u_y · Σ|y|``, 2^-8 of the block's
+    magnitude), about the f32 accumulation term's size at K = 4096 (``λ·√K·2^-24``, λ = 8) and
+    smaller at larger K, so the check stays about as sharp. Everything else (f32, f16, whose
+    narrow range would turn large clean products into infinities before the check) keeps the f32
+    product and casts it in the checking pass.
+    """
+    if a.dtype == b.dtype == jnp.dtype(out_dtype) == jnp.bfloat16:
+        return jnp.bfloat16
+    return jnp.float32
 
 
 def _checked_gemm(
@@ -93,8 +114,8 @@ def _checked_gemm(
     G independent GEMMs (1 for a layer's matmul; batch x heads for attention) share one slow path:
     the recompute runs when any of them has an error it could not locate, so the branch predicate
     is one scalar and stays a real branch (a per-GEMM predicate would turn into a select under vmap).
-    The f32 product is checked, corrected, gated and cast to ``out_dtype`` in one pass
-    (``abft_finish``): y is read once after the GEMM writes it.
+    The product is checked, corrected, gated (and, if f32, cast to ``out_dtype``) in one pass
+    (``abft_finish``): y is read once after the GEMM writes it, in place when it is bf16.
     """
     g, r, k = a.shape[0], a.shape[2 if a_t else 1], a.shape[1 if a_t else 2]
     n = b.shape[1 if b_t else 2]
@@ -105,7 +126,9 @@ def _checked_gemm(
         # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
         # An f32 operand has no rounding to lose, and the barrier costs a copy of it on the CPU.
         a = lax.optimization_barrier(a)
-    y = inject_gemm_faults(_dot(a, b, precision, a_t, b_t).reshape(g * r, n), faults).reshape(g, r, n)
+    prod = _product_dtype(a, b, out_dtype)
+    y = _dot(a, b, precision, a_t, b_t, prod)
+    y = inject_gemm_faults(y.reshape(g * r, n), faults).reshape(g, r, n)
     if not policy.enabled:
         report = FaultReport.zeros()
         if policy.gate:
@@ -130,13 +153,15 @@ def _checked_gemm(
     detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
     recomputed = jnp.int32(0)
     if policy.corrects and policy.recompute and policy.recompute_blocks is not None:
-        out, gated, still, recomputed = _redo_blocks(a, b, y, c, mag, out, flags, policy, precision, a_t, b_t)
+        out, gated, still, recomputed = _redo_blocks(
+            a, b, c, mag, out, flags, counts, policy, precision, a_t, b_t
+        )
     elif policy.corrects and policy.recompute:
 
         def slow(_):
             # The barrier keeps XLA from reusing the first product: this is a real recompute.
             a2, b2 = lax.optimization_barrier((a, b))
-            y2 = _dot(a2, b2, precision, a_t, b_t)
+            y2 = _dot(a2, b2, precision, a_t, b_t, prod)
             _margins.record("redo", y2, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
             out2, flags2, counts2 = abft_finish(y2, c, mag, correct=True, **kw)
             return out2, counts2, jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32), jnp.int32(g)
@@ -184,7 +209,7 @@ def _first_true(mask: jax.Array, cap: int) -> jax.Array:
     return c * chunk + pos
 
 
-def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision, a_t=False, b_t=False):
+def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precision, a_t=False, b_t=False):
     """Recompute the column blocks whose error could not be located, without a branch.
 
     Up to ``policy.recompute_blocks`` (row, block) pairs flagged "detected" are gathered (a fixed
@@ -196,7 +221,9 @@ def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision, a_
     capacity are reported uncorrectable (left as the first pass wrote them, gated).
 
     Returns ``(out, gated, still_uncorrectable, gemms_recomputed)``; ``gated`` corrects the first
-    pass's count of gated values: each recomputed block's count replaces its first one.
+    pass's count of gated values (``counts``, per block): each recomputed block's count replaces
+    its first one. The first product itself is not read again (the check may have overwritten it
+    in place).
     """
     g, r, kk = a.shape[0], a.shape[2 if a_t else 1], a.shape[1 if a_t else 2]
     n = b.shape[1 if b_t else 2]
@@ -218,9 +245,6 @@ def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision, a_
     j = jnp.arange(bn, dtype=jnp.int32)
     src = jnp.clip(j[None, :] + (bi * bn - start)[:, None], 0, w - 1)
     inside = j[None, :] < width[:, None]
-
-    def block_of(m3, gg, rr, s):  # (G, X, N) -> the w columns from s of row rr of GEMM gg
-        return lax.dynamic_slice(m3, (gg, rr, s), (1, 1, w))[0, 0]
 
     def align(v):  # (cap, w) gathered at `start` -> (cap, bn) aligned to the block, zeros outside
         return jnp.where(inside, jnp.take_along_axis(v, src, axis=1), jnp.zeros((), v.dtype))
@@ -252,10 +276,7 @@ def _redo_blocks(a, b, y, c, mag, out, flags, policy: FaultPolicy, precision, a_
         limit,
         width[:, None, None],
     )
-    # What the first pass gated in these blocks (it left them uncorrected: gate(cast(y))).
-    first = align(jax.vmap(lambda gg, rr, s: block_of(y, gg, rr, s))(gi, ri, start)).astype(out_dtype)
-    was_gated = (~jnp.isfinite(first) | (jnp.abs(first) > limit)) & inside
-    gated_first = jnp.sum(jnp.where(valid[:, None] & policy.gate, was_gated, False), dtype=jnp.int32)
+    gated_first = jnp.sum(jnp.where(valid, counts[gi, ri, bi], 0), dtype=jnp.int32)
     colidx = jnp.where(valid[:, None] & inside, bi[:, None] * bn + j[None, :], n)  # n: dropped
     out = out.at[gi[:, None], ri[:, None], colidx].set(redo[:, 0, :], mode="drop")
     still = (pending - jnp.sum(valid, dtype=jnp.int32)) + jnp.sum(
