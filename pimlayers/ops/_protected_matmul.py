@@ -81,12 +81,13 @@ def _product_dtype(a, b, out_dtype):
     bf16 operands with a bf16 result: bf16, rounded once from the f32 accumulator by the GEMM's own
     epilogue, and checked where it lies (in place). An f32 product costs the GEMM 2 extra bytes
     per value written and the check 2 more read plus 2 written for the cast (on an H200 at
-    8192 x 4096 -> 14336: ~0.07 ms GEMM and ~0.34 ms finish, against ~0.06 ms for reading bf16).
-    The check's bound then carries bf16's rounding of y (``u_y · Σ|y|``, 2^-8 of the block's
-    magnitude), about the f32 accumulation term's size at K = 4096 (``λ·√K·2^-24``, λ = 8) and
-    smaller at larger K, so the check stays about as sharp. Everything else (f32, f16, whose
-    narrow range would turn large clean products into infinities before the check) keeps the f32
-    product and casts it in the checking pass.
+    8192 x 4096 -> 14336: ~0.07 ms in the GEMM and 0.34 ms for the finish, against 0.14-0.16 ms
+    for the in-place check of the bf16 product; docs/gpu-tests.md, 2026-12-01). The check's bound
+    then carries bf16's rounding of y, ``2^-8 · Σ|y|``, beside the f32 accumulation's
+    ``λ·√K·2^-24·mag`` (λ = 8). For products whose terms have random signs Σ|y| ≈ mag / √K, so the
+    two are about equal at K = 4096 and the new one is smaller beyond: the check stays about as
+    sharp. Everything else (f32; f16, whose narrow range would turn large clean products into
+    infinities before the check) keeps the f32 product and casts it in the checking pass.
     """
     if a.dtype == b.dtype == jnp.dtype(out_dtype) == jnp.bfloat16:
         return jnp.bfloat16
