@@ -11,17 +11,17 @@ computed in f32 at HIGHEST precision. The check then compares the block sums of 
 a probabilistic rounding-error bound (Higham & Mary 2019; lam = 8 fails with probability about
 2.5e-14 per sum) plus the rounding of y to its storage dtype (u_y = 0 for f32, 2^-8 for bf16).
 |r1| > B1 or |r2| > n*B1 is "detected"; a single error with |r1| > 4 n B1 is located for certain
-(for a rounded y, B1 here leaves out the candidate column's own |y|: that value and its rounding
-are the one error the test assumes) and rebuilt from the checksum, and the rebuilt block must then pass the check a clean block passes
-(else it is "detected" after all: a second error can hide behind a huge one in the location test,
-whose tolerance grows with |r1|); smaller detected errors are reported as not corrected (the caller
-recomputes). A lone NaN/Inf is located by itself. Two errors in one block cannot always be told
-apart from one by two checksums (Huang & Abraham's scheme corrects one per block); usually they are
-detected and recomputed. One case is silent: two *equal* errors at columns j1, j2 with j1 + j2 even
-look exactly like one error of twice the size at (j1 + j2) / 2, are "corrected" there, and leave
-both checksums agreeing with a wrong block (a stuck bit in two values of one exponent can do it).
-A third, quadratically weighted checksum would tell them apart; it is not implemented. A smaller
-``block_n`` makes two errors in one block less likely.
+(for a rounded y, B1 here leaves out the candidate column's own |y|: that value and its rounding are
+the one error the test assumes) and rebuilt from the checksum, and the rebuilt block must then pass
+the check a clean block passes (else it is "detected" after all: a second error can hide behind a
+huge one in the location test, whose tolerance grows with |r1|); smaller detected errors are
+reported as not corrected (the caller recomputes). A lone NaN/Inf is located by itself. Two errors
+in one block cannot always be told apart from one by two checksums (Huang & Abraham's scheme
+corrects one per block); usually they are detected and recomputed. One case is silent: two *equal*
+errors at columns j1, j2 with j1 + j2 even look exactly like one error of twice the size at (j1 +
+j2) / 2, are "corrected" there, and leave both checksums agreeing with a wrong block (a stuck bit in
+two values of one exponent can do it). A third, quadratically weighted checksum would tell them
+apart; it is not implemented. A smaller ``block_n`` makes two errors in one block less likely.
 """
 
 from __future__ import annotations
