@@ -250,11 +250,12 @@ def abft_check_reference(
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
     jl = jnp.rint(r2 / r1) - 1.0
-    # Locating in a rounded y: the candidate's own magnitude leaves the bound (csrc/abft.h).
-    yj = jnp.take_along_axis(yz, jnp.clip(jl, 0, bn - 1).astype(jnp.int32)[..., None], axis=-1)[..., 0]
-    b1_loc = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * jnp.maximum(sa - jnp.abs(yj), 0.0)
-    if u_y == 0.0:
-        b1_loc = b1
+    b1_loc = b1
+    if u_y > 0.0:  # locating in a rounded y: the candidate's own |y| leaves the bound (csrc/abft.h)
+        jc = jnp.clip(jl, 0, bn - 1).astype(jnp.int32)[..., None]
+        yj = jnp.take_along_axis(yz, jc, axis=-1)[..., 0]
+        rest = jnp.maximum(sa - jnp.abs(yj), 0.0)
+        b1_loc = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * rest
     # A single error leaves r2 = (jl + 1) r1 up to rounding (csrc/abft.h; the sums here are f32, so
     # the rounding term uses f32's epsilon); two errors of very different size do not.
     tol = 2.0 * width * b1_loc + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
