@@ -38,10 +38,10 @@ class FaultPolicy:
     # Llama-3-8B MLP shapes and ~27% at 4096 -> 1024.
     block_n: int | None = 128
     recompute: bool = True  # Recompute what a check detected but could not locate (see recompute_blocks).
-    # None (default): the GEMM is recomputed under `lax.cond` when a block could not be located. An int
-    # (with column blocks, block_n set): the GEMM instead redoes up to this many flagged (row, block) dot
-    # products itself, found and gathered with fixed shapes: no branch, so no host round trip (on a GPU
-    # a `lax.cond` costs ~0.2-0.4 ms per GEMM) and no copy of the output; flagged blocks beyond it are
+    # None (default): the GEMM is recomputed (a loop of 0 or 1 trips) when a block could not be located.
+    # An int (with column blocks, block_n set): the GEMM instead redoes up to this many flagged (row,
+    # block) dot products itself, found and gathered with fixed shapes: no branch, so no host round trip
+    # (on a GPU the branch costs ~0.15-0.3 ms per GEMM); flagged blocks beyond it are
     # reported uncorrectable (`fault_aware` then skips the step). Not the default: its first version
     # measured slower than the branch on an H200 (docs/benchmarks.md, matmul-parts, 2026-11-30).
     recompute_blocks: int | None = None
@@ -98,15 +98,15 @@ class FaultPolicy:
         if rb is not None:
             if isinstance(rb, (bool, np.bool_)) or not isinstance(rb, numbers.Integral):
                 raise TypeError(
-                    f"FaultPolicy.recompute_blocks must be an int >= 1 or None (recompute under "
-                    f"lax.cond); got {type(rb).__name__} {rb!r}."
+                    f"FaultPolicy.recompute_blocks must be an int >= 1 or None (recompute the whole "
+                    f"GEMM); got {type(rb).__name__} {rb!r}."
                 )
             if rb < 1:
                 raise ValueError(f"FaultPolicy.recompute_blocks must be an int >= 1 or None; got {rb!r}.")
             if self.block_n is None:
                 raise ValueError(
                     f"FaultPolicy.recompute_blocks={rb} recomputes column blocks; it needs block_n "
-                    f"(got block_n=None: whole rows recompute under lax.cond, recompute_blocks=None)."
+                    f"(got block_n=None: whole rows recompute the GEMM, recompute_blocks=None)."
                 )
             self._set("recompute_blocks", int(rb))
 

@@ -20,7 +20,7 @@ _DOCS: dict[str, str] = {
     "gemm_checked": "GEMMs verified by ABFT checksums",
     "gemm_detected": "GEMMs whose checksums disagreed",
     "gemm_corrected": "GEMM errors located and corrected in place",
-    "gemm_recomputed": "GEMMs with a recompute (of flagged column blocks, or whole under lax.cond)",
+    "gemm_recomputed": "GEMMs with a recompute (of flagged column blocks, or whole)",
     "gemm_uncorrectable": "GEMM errors neither corrected nor recomputed",
     "nonfinite_gated": "values replaced by insulation gates",
     "banks_checked": "memory stripes (checksum blocks) scrubbed",
