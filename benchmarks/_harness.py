@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -63,5 +64,5 @@ def write_result(suite: str, rows: list[dict[str, Any]], command: str) -> pathli
 
 def command_line() -> str:
     flags = os.environ.get("XLA_FLAGS", "")
-    env = f"XLA_FLAGS={flags} " if "device_count" in flags else ""
+    env = f"XLA_FLAGS={shlex.quote(flags.strip())} " if flags.strip() else ""
     return env + "python -m benchmarks.run " + " ".join(sys.argv[1:])

@@ -85,8 +85,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
 
     plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the checks
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
-    in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a
-    ``lax.cond`` branch) and, with column blocks, with the branch-free redo of up to 32 flagged
+    in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
+    of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
     blocks (``FaultPolicy.recompute_blocks``).
     """
     rows = []

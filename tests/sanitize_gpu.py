@@ -1,0 +1,58 @@
+"""Every CUDA handler once on ragged shapes, in one short process, for compute-sanitizer.
+
+    K='regex=Abft|Checksum|Gate|Parity|Reconstruct|PimGemv|Guard|Finish'
+    compute-sanitizer --tool memcheck --kernel-name "$K" --error-exitcode 7 python tests/sanitize_gpu.py
+    compute-sanitizer --tool racecheck --kernel-name "$K" --error-exitcode 7 python tests/sanitize_gpu.py
+
+(XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
+buffer's end is not hidden inside XLA's pool.) The cases are tests/test_gpu.py's, called directly:
+the whole pytest session under the sanitizer crashed the tool itself part-way (seen on an H200
+with compute-sanitizer 2025.3.1), at a different test each time.
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+_here = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(_here), str(_here.parent)]  # the tests' helpers, and pimlayers from this checkout
+import test_gpu as T  # noqa: E402
+import test_gpu_memory as TM  # noqa: E402
+
+
+def main() -> None:
+    gpu = jax.devices("cuda")[0]
+    cases = [
+        *[(T.test_gate, (gpu, d, n)) for d in (jnp.float32, jnp.bfloat16) for n in (7, 4097)],
+        *[
+            (T.test_checksums_parity_reconstruct, (gpu, d, 4097, b))
+            for d in (jnp.uint8, jnp.float32)
+            for b in (16, 4096)
+        ],
+        *[(T.test_abft, (gpu, s, b)) for s in ((7, 129, 33), (257, 512, 4097)) for b in (None, 128)],
+        *[
+            (T.test_abft_finish, (gpu, 33, 128, 1152, 128, jnp.float32, o))
+            for o in (jnp.float32, jnp.bfloat16)
+        ],
+        (T.test_abft_finish, (gpu, 9, 64, 200, 32, jnp.float32, jnp.float32)),
+        (T.test_abft_finish, (gpu, 9, 64, 256, 128, jnp.bfloat16, jnp.bfloat16)),
+        *[
+            (T.test_bank_guard, (gpu, jnp.uint8, nb, b, g))
+            for nb in (4098, (1 << 20) + 6)
+            for b, g in ((16, 3), (4112, 3))
+        ],
+        (T.test_bank_guard_vmap_unaligned_examples, (gpu,)),
+        *[
+            (TM.test_pim_gemv_cuda_matches_reference, (gpu, jnp.float32, t, k, n, b))
+            for t, k, n, b in ((3, 37, 50, 8), (1, 4096, 1000, 16))
+        ],
+    ]
+    for i, (fn, args) in enumerate(cases):
+        fn(*args)
+        print(f"{i + 1}/{len(cases)} {fn.__name__}{tuple(str(a) for a in args[1:])} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
