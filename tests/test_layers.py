@@ -58,8 +58,9 @@ def test_nnx_linear_matches_stock(dtype):
         ours = pnnx.Linear(24, 40, param_dtype=dtype, policy=policy, rngs=nnx.Rngs(0))
         _close(ours(x), stock(x), dtype)
         assert pnnx.fault_report(ours).to_dict()["gemm_checked"] == 1
-        g0 = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32))))(stock)
-        g1 = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32))))(ours)
+        # Gradients jitted: eager, each backward op compiles on its own (the forward above is eager).
+        g0 = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))))(stock)
+        g1 = nnx.jit(nnx.grad(lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))))(ours)
         _close(g1["kernel"][...], g0["kernel"][...], dtype)
         _close(g1["bias"][...], g0["bias"][...], dtype)
 
@@ -90,8 +91,9 @@ def test_equinox_linear_matches_stock(dtype):
     _close(ours(x), stock(x), dtype)
     xb = _x((6, 24), dtype)
     _close(jax.vmap(ours)(xb), jax.vmap(stock)(xb), dtype)
-    g0 = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(xb).astype(jnp.float32))))(stock)
-    g1 = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(xb).astype(jnp.float32))))(ours)
+    loss = lambda m: jnp.sum(jnp.sin(jax.vmap(m)(xb).astype(jnp.float32)))
+    g0 = eqx.filter_jit(eqx.filter_grad(loss))(stock)  # jitted: eager, each backward op compiles alone
+    g1 = eqx.filter_jit(eqx.filter_grad(loss))(ours)
     _close(g1.weight, g0.weight, dtype)
     _close(g1.bias, g0.bias, dtype)
 
@@ -176,11 +178,11 @@ def test_backward_faults_are_reported_through_fault_tap():
     hit = (GemmFaults.none(), GemmFaults.random(jax.random.key(5), (6, 16), 2, 1.0, bit=30), None)
     pnnx.inject(m, {"down": hit})
     diff = nnx.DiffState(0, (nnx.Param, pnnx.FaultTap))
-    g = nnx.grad(lambda mod: jnp.sum(jnp.sin(mod(x))), argnums=diff)(m)
+    g = nnx.jit(nnx.grad(lambda mod: jnp.sum(jnp.sin(mod(x))), argnums=diff))(m)
     back = pnnx.backward_report(g).to_dict()
     assert back["gemm_checked"] == 6 and back["gemm_detected"] == 1 and back["gemm_uncorrectable"] == 0
     pnnx.inject(m, None)
-    g0 = nnx.grad(lambda mod: jnp.sum(jnp.sin(mod(x))))(m)
+    g0 = nnx.jit(nnx.grad(lambda mod: jnp.sum(jnp.sin(mod(x)))))(m)
     np.testing.assert_allclose(
         g["gate_proj"]["kernel"][...], g0["gate_proj"]["kernel"][...], rtol=1e-5, atol=1e-6
     )
@@ -331,13 +333,17 @@ def test_equinox_and_linen_attention_equal_nnx_with_the_same_weights():
     x = _x((2, 5, 32))
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
     params = {n: {"kernel": getattr(m, n).kernel[...]} for n in names}
-    y_linen = plinen.Attention(32, 4, 2).apply({"params": params}, x)
+    # Jitted: the point is equal outputs (eager use is covered above), and eager each op compiles alone.
+    y_linen = jax.jit(plinen.Attention(32, 4, 2).apply)({"params": params}, x)
     e = EqxAttention(32, 4, 2, key=jax.random.key(0))
     e = eqx.tree_at(
         lambda t: [getattr(t, n).weight for n in names], e, [params[n]["kernel"].T for n in names]
     )
-    np.testing.assert_allclose(y_linen, m(x), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(jax.vmap(e)(x), m(x), rtol=1e-5, atol=1e-6)
+    y_nnx = nnx.jit(lambda mod, a: mod(a))(m, x)
+    np.testing.assert_allclose(y_linen, y_nnx, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        eqx.filter_jit(lambda mod, a: jax.vmap(mod)(a))(e, x), y_nnx, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_attention_core_faults_in_scores_and_values_are_corrected():

@@ -77,8 +77,8 @@ def test_own_blocks_long_enough_to_cut_still_equal_the_reference():
     np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, v)), np.asarray(ref), rtol=1e-5, atol=2e-6)
     w = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
     got = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(
-        lambda *a: jnp.sum(jax.nn.dot_product_attention(*a, is_causal=True) * w), argnums=(0, 1, 2)
+    want = jax.jit(
+        jax.grad(lambda *a: jnp.sum(jax.nn.dot_product_attention(*a, is_causal=True) * w), argnums=(0, 1, 2))
     )(q, k, v)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
@@ -157,7 +157,7 @@ def test_gradients_equal_the_reference_under_link_faults(schedule):
         return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) * w)
 
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, zero_tap(), pm.state(fault_rate=0.5, seed=1))
-    ref = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+    ref = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(q, k, v)
     for got, want in zip(g[:3], ref, strict=True):
         # Sums of 64 f32 products per entry in a different order: a few ulps of the largest entries.
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -246,12 +246,15 @@ def test_the_local_kernel_alone_matches_the_reference_forward_and_backward(t, bl
     def loss(f, *a):
         return jnp.sum(f(*a) * w)
 
-    got = jax.grad(lambda q, k, v: loss(lambda *a: local_attention(*a)[0], q, k, v), argnums=(0, 1, 2))(
-        q, k, v
-    )
-    want = jax.grad(
-        lambda q, k, v: loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, k, v),
-        argnums=(0, 1, 2),
+    # Jitted: eager, each of the backward's ops would compile on its own (hundreds of compiles).
+    got = jax.jit(
+        jax.grad(lambda q, k, v: loss(lambda *a: local_attention(*a)[0], q, k, v), argnums=(0, 1, 2))
+    )(q, k, v)
+    want = jax.jit(
+        jax.grad(
+            lambda q, k, v: loss(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, k, v),
+            argnums=(0, 1, 2),
+        )
     )(q, k, v)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
