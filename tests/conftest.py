@@ -17,7 +17,9 @@ import tempfile
 # LLVM at -O0: the suite is mostly XLA compiles (56% of its time, most of them small programs run
 # once); measured on a 2-core machine, -O0 took 15-20% off compile-heavy and run-heavy tests alike
 # (test_resume_continues_bit_exactly 80 -> 68 s). It sets LLVM's optimisation of the machine code,
-# not XLA's HLO passes (fusion, layouts), and no fast-math either way.
+# not XLA's HLO passes (fusion, layouts), and no fast-math either way; but two different dot kernels
+# (a whole GEMM, a gathered block of it) may then sum in different orders where -O3 happened to
+# agree, so tests compare such pairs to f32 rounding, not bit for bit.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
