@@ -105,12 +105,23 @@ def _timed(fn, *args, iters: int = 5) -> float:
     return float(np.median(samples))
 
 
+SIM_SCHEDULES = (("ring", (0.0, 0.5, 0.88)), ("bidir", (0.0, 0.5)), ("allgather", (0.0,)))
+
+
 def run_sim(
-    b: int = 1, t: int = 4096, h: int = 8, kv: int = 4, d: int = 64, devices=None, dtype=jnp.float32
+    b: int = 1,
+    t: int = 4096,
+    h: int = 8,
+    kv: int = 4,
+    d: int = 64,
+    devices=None,
+    dtype=jnp.float32,
+    schedules=SIM_SCHEDULES,
 ) -> list[dict]:
     """Every device (simulated CPU devices or GPUs): measured routed_attention times vs the simulator,
     calibrated by microbenchmarks run here (one round of half-block compute; one transfer with 1 and
-    with 17 attempts, giving the fixed cost per transfer and the marginal cost per attempt)."""
+    with 17 attempts, giving the fixed cost per transfer and the marginal cost per attempt).
+    ``schedules``: (schedule, fault rates) pairs to measure (each schedule compiles once)."""
     devs = jax.devices() if devices is None else list(devices)
     n = len(devs)
     if n < 2:
@@ -153,7 +164,7 @@ def run_sim(
     device_flops = 4.0 * b * h * tl * (tl / 2) * d / t_half  # CPU: all devices share the host's cores
     model = PhotonicMesh((n,), latency_s=t_attempt, bandwidth_bytes_per_s=1e30, jitter_s=1e-12)
     rows = []
-    for schedule, rates in (("ring", (0.0, 0.5, 0.88)), ("bidir", (0.0, 0.5)), ("allgather", (0.0,))):
+    for schedule, rates in schedules:
         f = jax.jit(
             lambda q, k, v, links, s=schedule: routed_attention(
                 q, k, v, mesh=mesh, axis="seq", links=links, schedule=s

@@ -239,7 +239,8 @@ Here: 8 simulated CPU devices, fault rates up to 88%, dead links, and the step-t
     (
         "code",
         """import os, sys, pathlib
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax starts
+# 8 CPU devices, set before jax starts (added to any XLA flags already set)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 root = pathlib.Path.cwd()
 while not (root / "pimlayers").is_dir() and root != root.parent:
     root = root.parent
@@ -372,7 +373,9 @@ attempt), the simulator predicts the measured call times at each fault rate — 
     (
         "code",
         """from benchmarks import routing as bench
-rows = bench.run_sim(t=256 if SMALL else 2048, h=4, kv=2, d=32, devices=cpus[:8])
+# (small: the ring schedule alone; each schedule is one more compile of the 8-device program)
+sched = bench.SIM_SCHEDULES[:1] if SMALL else bench.SIM_SCHEDULES
+rows = bench.run_sim(t=256 if SMALL else 2048, h=4, kv=2, d=32, devices=cpus[:8], schedules=sched)
 for r in rows:
     print(f"{r['schedule']:9s} faults {r['fault_rate']:4.0%}: measured {r['measured_ms']:8.2f} ms, "
           f"estimate {r['estimate_ms']:8.2f} ms ({r['estimate_over_measured']:.2f}x); "
