@@ -47,8 +47,10 @@ def test_protected_matmul_checks_each_devices_rows(cpu_mesh):
     one = jax.devices("cpu")[0]  # the unsharded run on one of the mesh's (CPU) devices, as they compute
     x1, w1, g1 = (jax.device_put(v, one) for v in (x, w, g))
     (total1, y1), (gx1, gw1) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x1, w1, g1)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
-    np.testing.assert_array_equal(np.asarray(gx), np.asarray(gx1))
+    # Equal to f32 rounding, not bit for bit: the CPU's dot kernel for 8 rows and for 64 may sum in
+    # different orders (seen with the suite's LLVM -O0 on some CPUs).
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(gx1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(gw1), rtol=1e-5, atol=1e-5)  # dw sums devices
     np.testing.assert_allclose(float(total), float(total1), rtol=1e-6)
     assert y.sharding.spec[0] == "d"
