@@ -45,6 +45,7 @@ def test_defaults_and_properties():
         "recompute_blocks",
         "skip_on_uncorrectable",
         "lam_dw",
+        "fused",
     ]
 
 

@@ -58,13 +58,21 @@ class FaultPolicy:
     # in the forward and dx GEMMs. 64 leaves 8x that headroom; a dw error must then be 8x larger to be
     # seen (an error in one weight gradient of one step).
     lam_dw: float = 64.0
+    # On a Hopper GPU, run a bf16 forward GEMM (128-column blocks, correcting, no gate limit) on the
+    # fused kernel, whose epilogue forms the block sums (pimlayers/ops/_fused_gemm.py): no second pass
+    # over y and no branch. Its repair is the branch-free redo of up to two 128 x 128 tiles; more
+    # detected tiles than that are reported uncorrectable (the unfused path recomputes the whole
+    # GEMM instead). Not the default: on an H200 it made the forward GEMM alone faster (4096 ->
+    # 14336, M = 8192: 1.65-1.71 ms against 1.78-1.88) but the 4-layer Llama-3-8B-dims training
+    # step slower (419.0 against 410.3 ms, same run; docs/gpu-tests.md, 2026-12-01).
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
             raise TypeError(f"FaultPolicy.mode must be a str, one of {self.MODES}; got {self.mode!r}.")
         if self.mode not in self.MODES:
             raise ValueError(f"FaultPolicy.mode must be one of {self.MODES}; got {self.mode!r}.")
-        for name in ("gate", "recompute", "skip_on_uncorrectable"):
+        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused"):
             self._set(name, _as_bool(name, getattr(self, name)))
         self._set("gate_fill", _as_float("gate_fill", self.gate_fill))
         if self.gate_limit is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -69,3 +72,29 @@ def from_bytes(b, like) -> jnp.ndarray:
     if dt.itemsize == 1:
         return lax.bitcast_convert_type(b, dt).reshape(like.shape)
     return lax.bitcast_convert_type(b.reshape(-1, dt.itemsize), dt).reshape(like.shape)
+
+
+def first_true(mask: jax.Array, cap: int) -> jax.Array:
+    """Indices (int32, (cap,)) of the first ``cap`` True entries of a 1-D mask; entries past the
+    mask's count are arbitrary (the caller masks them).
+
+    Two levels instead of ``jnp.nonzero(size=...)``, whose scatter touches every element (measured
+    on an H200: +0.6 ms on an 8192 x 14336 GEMM's 917,504 block flags): the mask is summed per
+    chunk of ~sqrt(n / cap) (one pass that fuses with the flag comparison), the running count over
+    chunks locates each wanted entry's chunk, and a cumsum inside the ``cap`` chunks so found
+    locates it there. Everything after the first pass is O(n / chunk + cap * chunk) small arrays.
+    """
+    n = mask.shape[0]
+    chunk = max(1, math.isqrt(max(n // cap, 1)))
+    nc = -(-n // chunk)
+    m = jnp.pad(mask, (0, nc * chunk - n)).reshape(nc, chunk).astype(jnp.int32)
+    per = jnp.sum(m, axis=1, dtype=jnp.int32)
+    upto = jnp.cumsum(per)  # entries in chunks 0..c
+    want = jnp.arange(cap, dtype=jnp.int32)
+    # compare_all: the default "scan" method is a loop (on a GPU, one host round trip per step).
+    c = jnp.searchsorted(upto, want, side="right", method="compare_all")
+    c = jnp.minimum(c, nc - 1).astype(jnp.int32)
+    rank = want - (upto[c] - per[c])  # the wanted entry's rank inside chunk c
+    inside = jnp.cumsum(m[c], axis=1)  # (cap, chunk)
+    pos = jnp.argmax(inside > rank[:, None], axis=1).astype(jnp.int32)
+    return c * chunk + pos

@@ -45,7 +45,9 @@ from ._abft import (
     abft_finish,
     abft_finish_reference,
 )
-from ._common import check_float
+from ._common import check_float, first_true
+from ._fused_check import fused_flags, inject_fused, redo_tiles
+from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, hopper
 from ._gate import gate
 
 __all__ = ["REPORT_FIELDS", "protected_bmm", "protected_matmul", "report_from_tap", "zero_tap"]
@@ -128,6 +130,8 @@ def _checked_gemm(
         # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
         # An f32 operand has no rounding to lose, and the barrier costs a copy of it on the CPU.
         a = lax.optimization_barrier(a)
+    if _fused_applies(a, b, policy, out_dtype, impl, a_t, b_t):
+        return _checked_gemm_fused(a, b, enc, policy, faults, precision, role)
     prod = _product_dtype(a, b, out_dtype)
     y = _dot(a, b, precision, a_t, b_t, prod)
     y = inject_gemm_faults(y.reshape(g * r, n), faults).reshape(g, r, n)
@@ -190,35 +194,72 @@ def _checked_gemm(
     return out, report
 
 
-def _first_true(mask: jax.Array, cap: int) -> jax.Array:
-    """Indices (int32, (cap,)) of the first ``cap`` True entries of a 1-D mask; entries past the
-    mask's count are arbitrary (the caller masks them).
+def _fused_kernel():
+    """The fused GEMM (``_fused_gemm``) where it runs — a Hopper GPU — else None.
 
-    Two levels instead of ``jnp.nonzero(size=...)``, whose scatter touches every element (measured
-    on an H200: +0.6 ms on an 8192 x 14336 GEMM's 917,504 block flags): the mask is summed per
-    chunk of ~sqrt(n / cap) (one pass that fuses with the flag comparison), the running count over
-    chunks locates each wanted entry's chunk, and a cumsum inside the ``cap`` chunks so found
-    locates it there. Everything after the first pass is O(n / chunk + cap * chunk) small arrays.
+    The fused path's logic (sums, flags, injection, redo) is tested on the CPU by substituting
+    ``_fused_gemm.fused_gemm_reference`` here; the kernel itself is tested against it on the GPU.
     """
-    n = mask.shape[0]
-    chunk = max(1, math.isqrt(max(n // cap, 1)))
-    nc = -(-n // chunk)
-    m = jnp.pad(mask, (0, nc * chunk - n)).reshape(nc, chunk).astype(jnp.int32)
-    per = jnp.sum(m, axis=1, dtype=jnp.int32)
-    upto = jnp.cumsum(per)  # entries in chunks 0..c
-    want = jnp.arange(cap, dtype=jnp.int32)
-    c = jnp.minimum(jnp.searchsorted(upto, want, side="right"), nc - 1).astype(jnp.int32)
-    rank = want - (upto[c] - per[c])  # the wanted entry's rank inside chunk c
-    inside = jnp.cumsum(m[c], axis=1)  # (cap, chunk)
-    pos = jnp.argmax(inside > rank[:, None], axis=1).astype(jnp.int32)
-    return c * chunk + pos
+    return fused_gemm if hopper() else None
+
+
+def _fused_config(k: int, n: int) -> FusedConfig:
+    """Tiling for a (K, N) weight. One configuration so far: on an H200 at M = 8192 it was the
+    fastest of six at all four Llama-3-8B shapes (0.95-0.99x XLA's unprotected GEMM, with the first
+    version's three-sum epilogue; docs/gpu-tests.md, 2026-12-01)."""
+    del k, n
+    return FusedConfig()
+
+
+def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b_t: bool) -> bool:
+    """Whether this GEMM takes the fused path: ``FaultPolicy(fused=True)`` (not the default), one
+    bf16 GEMM (not transposed: the backward keeps the unfused path) with a bf16 result, 128-column
+    blocks, correcting without a gate limit, on a GPU that runs the kernel, with ``impl="auto"``
+    ("native" keeps the unfused native check, "reference" the pure-JAX one).
+
+    Only the branch-free tile redo is taken there (``_fused_check.redo_tiles``): a whole
+    recompute would need a branch, whose predicate goes through the host on a GPU.
+    """
+    if impl != "auto" or a_t or b_t or a.shape[0] != 1:
+        return False
+    if not (policy.fused and policy.corrects and policy.recompute and policy.gate_limit is None):
+        return False
+    if policy.block_n != TILE:
+        return False
+    if not (a.dtype == b.dtype == jnp.dtype(out_dtype) == jnp.bfloat16):
+        return False
+    return _fused_kernel() is not None and fused_gemm_supported(a.shape[1], a.shape[2], b.shape[2], a.dtype)
+
+
+def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, role: str):
+    """``_checked_gemm`` for one bf16 GEMM on the fused kernel: y and its block sums from one kernel,
+    the check on the sums (y is not read again), detected blocks redone without a branch."""
+    k = a.shape[2]
+    y, sums = _fused_kernel()(a[0], b[0], _fused_config(k, b.shape[2]))
+    y, sums = inject_fused(y, sums, faults)
+    c, mag = abft_checks(a, enc)
+    # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
+    _margins.record(role, y[None], c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
+    flags = fused_flags(sums, c[0], mag[0], k, policy.lam)
+    pending = jnp.sum(flags != 0, dtype=jnp.int32)
+    kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
+    y, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
+    report = FaultReport(
+        gemm_checked=jnp.int32(1),
+        gemm_detected=(pending > 0).astype(jnp.int32),
+        gemm_corrected=pending - still,
+        gemm_recomputed=redone,
+        gemm_uncorrectable=still,
+        nonfinite_gated=gated,
+    )
+    return y[None], report
 
 
 def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precision, a_t=False, b_t=False):
     """Recompute the column blocks whose error could not be located, without a branch.
 
     Up to ``policy.recompute_blocks`` (row, block) pairs flagged "detected" are gathered (a fixed
-    number, found by ``_first_true``, so no shape depends on the data), their K-long dot
+    number, found by ``first_true``, so no shape depends on the data), their K-long dot
     products redone from the operands, checked again and scattered into ``out`` in place. The
     default whole recompute runs only when needed, but on a GPU its loop's predicate goes through
     the host (~0.15-0.3 ms per GEMM with the branch); this costs one gather
@@ -241,7 +282,7 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
     cap = min(policy.recompute_blocks, pend.shape[0])
     if cap == 0:
         return out, jnp.int32(0), pending, jnp.int32(0)
-    idx = _first_true(pend, cap)
+    idx = first_true(pend, cap)
     valid = jnp.arange(cap, dtype=jnp.int32) < pending
     gi, ri, bi = idx // (r * nb), (idx // nb) % r, idx % nb
     w = min(bn, n)  # columns gathered per pair (static); a partial last block is shifted into range
@@ -373,6 +414,9 @@ def protected_matmul(
         (forward, dx, dw) that also hits the backward products.
       tap: ``zero_tap()``; its gradient is the backward pass's report (``report_from_tap``).
       precision: matmul precision; default HIGHEST for f32 inputs, DEFAULT otherwise.
+      impl: "auto" (the native check where it measured faster; with ``FaultPolicy(fused=True)``
+        on a Hopper GPU a bf16 forward runs the fused kernel, ``_fused_gemm``, where its shapes
+        tile), "native" (the GEMM, then the native check pass over y) or "reference" (pure JAX).
     """
     check_float("protected_matmul", "x", x)
     check_float("protected_matmul", "w", w)

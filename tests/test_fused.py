@@ -1,0 +1,238 @@
+"""The fused protected GEMM: block sums from the GEMM's epilogue, the check on them, the column redo.
+
+On the CPU the fused path runs with ``fused_gemm_reference`` standing in for the Hopper kernel (the
+same outputs, computed by XLA); the GPU tests check the kernel against that reference and run the
+same fault scenarios through it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TraceCounter
+
+from pimlayers import ops
+from pimlayers.faults import FaultPolicy, GemmFaults
+from pimlayers.ops import _fused_gemm, _protected_matmul
+from pimlayers.ops._fused_check import REDO_TILES, fused_flags
+
+M, K, N = 256, 192, 512  # two row tiles, four 128-column blocks: the kernel's smallest multiples x2
+
+
+def _xw(m=M, k=K, n=N, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    return x, w
+
+
+def _plain(x, w):
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+@pytest.fixture
+def fused(monkeypatch, request):
+    """The fused path on this machine: the Hopper kernel on a Hopper GPU, else its reference."""
+    if not _fused_gemm.hopper():
+        monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
+    return _protected_matmul._fused_kernel()
+
+
+FUSED = FaultPolicy(fused=True)
+
+
+def _pmm(policy=FUSED):
+    return jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=policy, faults=fl))
+
+
+def _sites(rows, cols, bits):
+    rows, cols, bits = (jnp.asarray(v, jnp.int32) for v in (rows, cols, bits))
+    return GemmFaults(rows, cols, bits, jnp.ones(rows.shape, bool))
+
+
+def _assert_redone(y, clean):
+    """Redone values against the clean GEMM: another dot kernel may sum in another order, so to one
+    bf16 rounding of the f32 result."""
+    y, clean = np.asarray(y, np.float32), np.asarray(clean, np.float32)
+    np.testing.assert_allclose(y, clean, rtol=2**-7, atol=1e-6)
+
+
+def _big(clean, row, lo, hi):
+    """A column in [lo, hi) of ``row`` whose value has magnitude in [1, 4): a flip of its sign or of
+    a high exponent bit moves it by at least 1, beyond the bound (~2^-8 of the block's sum of |y|,
+    ~0.4 here)."""
+    v = np.abs(np.asarray(clean[row, lo:hi], np.float32))
+    assert np.any((v >= 1) & (v < 4))
+    return lo + int(np.argmax((v >= 1) & (v < 4)))
+
+
+def test_fused_path_is_taken_and_clean_equals_plain(fused):
+    x, w = _xw()
+    # Taken: no recompute loop in the program (the kernel's own loops are inside its custom call);
+    # the unfused path has one.
+    assert _loops(lambda a, b: ops.protected_matmul(a, b, policy=FUSED), x, w) == 0
+    assert _loops(lambda a, b: ops.protected_matmul(a, b, policy=FUSED, impl="reference"), x, w) == 1
+    assert _loops(lambda a, b: ops.protected_matmul(a, b), x, w) == 1  # not the default
+    y, r = _pmm()(x, w, None)
+    assert y.dtype == jnp.bfloat16
+    assert np.asarray(y).tobytes() == np.asarray(_plain(x, w)).tobytes()
+    d = r.to_dict()
+    assert d["gemm_checked"] == 1 and d["gemm_detected"] == 0 and d["gemm_uncorrectable"] == 0
+
+
+def _loops(f, *args) -> int:
+    """While loops in the lowered program (the unfused path's recompute is one)."""
+    return jax.jit(f).lower(*args).as_text().count("stablehlo.while")
+
+
+def test_not_taken_where_it_does_not_apply(fused):
+    x, w = _xw()
+    loops = lambda f: _loops(f, x, w)
+    pmm = lambda a, b, p=FUSED, **kw: ops.protected_matmul(a, b, policy=p, **kw)
+    assert loops(lambda a, b: pmm(a, b)) == 0
+    assert loops(lambda a, b: pmm(a.astype(jnp.float32), b.astype(jnp.float32))) == 1
+    assert loops(lambda a, b: pmm(a[:100], b)) == 1  # rows not a tile multiple
+    assert loops(lambda a, b: pmm(a, b, FUSED.replace(block_n=64))) == 1
+    assert loops(lambda a, b: pmm(a, b, FUSED.replace(gate_limit=8.0))) == 1
+    assert loops(lambda a, b: pmm(a, b, impl="native")) == 1
+    assert loops(lambda a, b: pmm(a, b, FaultPolicy())) == 1
+
+
+def test_sums_of_the_reference_are_the_accumulators_block_sums():
+    x, w = _xw()
+    y, s = _fused_gemm.fused_gemm_reference(x, w)
+    acc = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert s.shape == (2, N // 128, M)
+    ab = acc.reshape(M, N // 128, 128)
+    j = np.arange(1, 129)
+    np.testing.assert_allclose(np.asarray(s[0]).T, ab.sum(-1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(s[1]).T, (ab * j).sum(-1), rtol=1e-5, atol=1e-2)
+    # y is the accumulator rounded once to bf16.
+    np.testing.assert_allclose(np.asarray(y, np.float32), acc, rtol=2**-8, atol=1e-5)
+
+
+def test_flags_follow_the_bound():
+    x, w = _xw()
+    _, s = _fused_gemm.fused_gemm_reference(x, w)
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, 128))
+    assert int(jnp.sum(fused_flags(s, c, mag, K, 8.0))) == 0
+    # One block's sum moved by 3x its bound is flagged, alone; by 0.3x it passes.
+    b1 = 8 * 2.0**-24 * (np.sqrt(K) + np.sqrt(128) + 2) * mag[5, 2]
+    for factor, flagged in ((3.0, 1), (0.3, 0)):
+        f = fused_flags(s.at[0, 2, 5].add(factor * b1), c, mag, K, 8.0)
+        assert int(jnp.sum(f != 0)) == flagged and int(f[5, 2] != 0) == flagged
+    assert int(fused_flags(s.at[0, 1, 7].set(jnp.nan), c, mag, K, 8.0)[7, 1]) == ops.ABFT_DETECTED
+    inf = s.at[:, 1, 7].set(jnp.inf)
+    assert int(fused_flags(inf, c, mag, K, 8.0)[7, 1]) == ops.ABFT_DETECTED
+
+
+@pytest.mark.parametrize("bit", [30, 29, 27, 31])
+def test_accumulator_faults_detected_and_redone(fused, bit):
+    x, w = _xw()
+    clean = _plain(x, w)
+    rows, cols = [3, 3, 200, 77], [_big(clean, 3, 0, 128), _big(clean, 3, 130, 256), 300, 301]
+    cols[2], cols[3] = _big(clean, 200, 256, 384), _big(clean, 77, 256, 384)
+    y, r = _pmm()(x, w, _sites(rows, cols, [bit] * 4))
+    d = r.to_dict()
+    # Four 128 x 128 tiles hold faults: rows 0-127 in blocks 0, 1 (row 3) and 2 (row 77), rows
+    # 128-255 in block 2 (row 200). Two tiles fit the redo: the first two, row 3's; rows 77 and 200
+    # are reported, never silent.
+    assert d["gemm_detected"] == 1 and d["gemm_recomputed"] == 1
+    assert (d["gemm_corrected"], d["gemm_uncorrectable"]) == (2, 2)
+    y, clean = np.asarray(y, np.float32), np.asarray(clean, np.float32)
+    _assert_redone(y[3, :256], clean[3, :256])
+    assert not np.array_equal(y[200, 256:384], clean[200, 256:384])
+    keep = np.ones(M, bool)
+    keep[[3, 200, 77]] = False
+    assert np.array_equal(y[keep], clean[keep])  # nothing else touched
+
+
+def test_a_whole_tile_fault_is_repaired(fused):
+    """Every row of one 128 x 128 accumulator tile corrupted (one warpgroup's): redone whole."""
+    x, w = _xw(seed=1)
+    clean = _plain(x, w)
+    rows = np.arange(128, 256)
+    cols = [_big(clean, r, 384, 512) for r in rows]
+    y, r = _pmm()(x, w, _sites(rows, cols, [30] * 128))
+    d = r.to_dict()
+    assert REDO_TILES >= 1
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 128, 0)
+    _assert_redone(y, clean)
+
+
+def test_non_finite_flip_is_redone_and_gated_values_counted(fused):
+    x, w = _xw(seed=2)
+    clean = np.asarray(_plain(x, w), np.float32)
+    row, col = map(int, np.argwhere((np.abs(clean) >= 1) & (np.abs(clean) < 2))[0])
+    y, r = _pmm()(x, w, _sites([row], [col], [30]))  # exponent 127 -> 255: Inf or NaN
+    d = r.to_dict()
+    counts = ("gemm_detected", "gemm_corrected", "gemm_uncorrectable", "nonfinite_gated")
+    assert tuple(d[c] for c in counts) == (1, 1, 0, 0)
+    assert np.all(np.isfinite(np.asarray(y, np.float32)))
+    _assert_redone(y, clean)
+
+
+def test_products_that_overflow_are_gated_where_redone_and_reported(fused):
+    x, w = _xw(seed=4)
+    w = jnp.abs(w)
+    x = x.at[9, :].set(jnp.bfloat16(1e38))  # row 9's products overflow to +Inf in every column
+    y, r = _pmm()(x, w, None)
+    d = r.to_dict()
+    # Row 9's four blocks are detected (their checks are not finite either). The two tiles that fit
+    # the redo are gated there (256 values replaced) and still fail their check; the other two are
+    # left as computed. All four are reported uncorrectable: never silent.
+    assert d["gemm_uncorrectable"] == 4 and d["nonfinite_gated"] == 256
+    y = np.asarray(y, np.float32)
+    assert np.all(y[9, :256] == 0.0) and np.all(np.isinf(y[9, 256:]))
+    assert np.array_equal(np.delete(y, 9, axis=0), np.delete(np.asarray(_plain(x, w), np.float32), 9, axis=0))
+
+
+def test_new_fault_patterns_do_not_recompile(fused):
+    x, w = _xw()
+    clean = _plain(x, w)
+    body = TraceCounter(lambda a, b, fl: ops.protected_matmul(a, b, policy=FUSED, faults=fl))
+    f = jax.jit(body)
+    for seed in range(3):
+        faults = GemmFaults.random(jax.random.key(seed), (M, N), 4, 0.5, bit=30)
+        _, r = f(x, w, faults)
+        assert r.to_dict()["gemm_uncorrectable"] <= 4
+    assert body.count == 1
+    sites = _sites([1, 2, 3, 4], [_big(clean, r, 0, 128) for r in (1, 2, 3, 4)], [30] * 4)
+    with jax.no_tracing():
+        f(x, w, sites)
+
+
+def test_gradients_unchanged(fused):
+    """The backward runs the unfused checked GEMMs either way: the fused forward changes no gradient
+    (compared with the default, unfused path, whose backward is the same code)."""
+    x, w = _xw()
+    g = jax.random.normal(jax.random.key(9), (M, N))
+    loss = lambda a, b, p: jnp.sum(ops.protected_matmul(a, b, policy=p)[0].astype(jnp.float32) * g)
+    fused_grads = jax.jit(jax.grad(lambda a, b: loss(a, b, FUSED), (0, 1)))(x, w)
+    ref_grads = jax.jit(jax.grad(lambda a, b: loss(a, b, FaultPolicy()), (0, 1)))(x, w)
+    for a, b in zip(fused_grads, ref_grads, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 64, 256), (512, 192, 768), (1024, 4096, 1024)])
+def test_kernel_matches_reference_on_hopper(shape):
+    if not _fused_gemm.hopper():
+        pytest.skip("the fused kernel runs on Hopper GPUs only")
+    m, k, n = shape
+    x, w = _xw(m, k, n, seed=m)
+    y, s = jax.jit(_fused_gemm.fused_gemm)(x, w)
+    y_r, s_r = jax.jit(_fused_gemm.fused_gemm_reference)(x, w)
+    # Both round an f32 accumulation of exact bf16 products once, summed in different orders (cuBLAS
+    # may split K): equal to a bf16 rounding, or to f32 reordering (~1e-5 of |x|·|w| ~ 40 here at
+    # K = 4096) where values cancel.
+    yf, yf_r = np.asarray(y, np.float32), np.asarray(y_r, np.float32)
+    np.testing.assert_allclose(yf, yf_r, rtol=2**-7, atol=2e-8 * k)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_r), rtol=1e-5, atol=128 * 2e-8 * k)
+    # The property that matters: the kernel's sums pass the check against independent checks.
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, 128))
+    assert int(jnp.sum(fused_flags(s, c, mag, k, 8.0))) == 0
+    with pytest.raises(ValueError, match="does not tile"):
+        _fused_gemm.fused_gemm(x[:100], w)
+    with pytest.raises(TypeError, match="expected bfloat16"):
+        _fused_gemm.fused_gemm(x.astype(jnp.float32), w.astype(jnp.float32))
