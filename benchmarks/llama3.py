@@ -31,10 +31,12 @@ def run(
     config: str = "llama3_8b",
     dtype: str = "bfloat16",
     flip_every: int = 5,
+    fused: bool = False,
 ) -> list[dict]:
     n = devices or len(jax.devices())
     rows: list[dict] = []
-    for protect in (False, True):
+    # (protect, fused): off, on; with ``fused`` also on with the fused forward GEMM, in the same run.
+    for protect, fz in ((False, False), (True, False)) + (((True, True),) if fused else ()):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = TrainConfig(
                 config=config,
@@ -51,6 +53,7 @@ def run(
                 warmup=max(steps // 4, 1),
                 lr=3e-4,
                 protect=protect,
+                fused=fz,
                 flip_every=flip_every if protect else 0,
                 gemm_fault_rate=0.2 if protect else 0.0,
                 nan_rate=0.0,
@@ -63,6 +66,7 @@ def run(
             {
                 "config": f"{config} x{s['layers']} layers",
                 "protect": protect,
+                "fused": fz if protect else None,
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
                 "shape": f"B={cfg.batch} T={seq} {dtype}",
@@ -86,7 +90,7 @@ def run(
                 "final_loss": s["curve"][-1][1],
             }
         )
-    off = next(r for r in rows if not r["protect"])
+    off = next(r for r in rows if not r["protect"])  # the first row
     for r in rows:
         r["on_over_off"] = r["tokens_per_s"] / off["tokens_per_s"]
     return rows

@@ -3,6 +3,9 @@
 Forward: y = x @ w. Forward+backward: value and gradient of sum(y * g) with respect to x and w
 (three GEMMs on both sides). The protected version verifies (and would correct) every GEMM;
 "ratio" = plain time / protected time, so 1.00 is free protection and 0.80 is a 25% overhead.
+``protected`` is the default policy (the GEMM, then the native check pass over y); ``fused`` is
+``FaultPolicy(fused=True)`` (on a Hopper GPU the forward runs the fused kernel, whose epilogue forms
+the checked sums), timed in the same run.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimlayers import FaultPolicy, ops
+from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 
 from ._harness import time_fn
 
@@ -39,30 +43,48 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
 
     plain = jax.jit(lambda a, b: jnp.matmul(a, b))
     prot = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=policy))
-    y0, (y1, rep) = plain(x, w), prot(x, w, enc)
-    err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
-    if rep.to_dict()["gemm_detected"] or err > 0.05:
-        raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
+    fz = policy.replace(fused=True)
+    fused = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=fz))
+    y0 = plain(x, w)
+    for f in (prot, fused):
+        y1, rep = f(x, w, enc)
+        err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
+        if rep.to_dict()["gemm_detected"] or err > 0.05:
+            raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
     flops = 2.0 * m * k * n
-    t0, t1 = time_fn(plain, x, w), time_fn(prot, x, w, enc)
-    rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops))
+    t0, t1, t2 = time_fn(plain, x, w), time_fn(prot, x, w, enc), time_fn(fused, x, w, enc)
+    rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, fused_ms=t2 * 1e3, fused_ratio=t0 / t2))
 
     # value_and_grad: the loss value needs y, so both sides run all three GEMMs, as training does.
     def loss_plain(a, b, c):
         return jnp.sum((jnp.matmul(a, b) * c).astype(jnp.float32))
 
-    def loss_prot(a, b, e, c):
-        return jnp.sum((ops.protected_matmul(a, b, e, policy=policy)[0] * c).astype(jnp.float32))
+    def loss_prot(a, b, e, c, p=policy):
+        return jnp.sum((ops.protected_matmul(a, b, e, policy=p)[0] * c).astype(jnp.float32))
 
     plain_g = jax.jit(jax.value_and_grad(loss_plain, argnums=(0, 1)))
     prot_g = jax.jit(jax.value_and_grad(loss_prot, argnums=(0, 1)))
+    fused_g = jax.jit(jax.value_and_grad(lambda *a: loss_prot(*a, p=fz), argnums=(0, 1)))
     (_, gp), (_, gq) = plain_g(x, w, g), prot_g(x, w, enc, g)
     gerr = max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(gp, gq, strict=True)
     )
     t0, t1 = time_fn(plain_g, x, w, g), time_fn(prot_g, x, w, enc, g)
-    rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, max_grad_diff=gerr))
+    t2 = time_fn(fused_g, x, w, enc, g)
+    rows.append(
+        _row(
+            f"fwd+bwd {k}->{n}",
+            m,
+            policy,
+            t0,
+            t1,
+            3 * flops,
+            max_grad_diff=gerr,
+            fused_ms=t2 * 1e3,
+            fused_ratio=t0 / t2,
+        )
+    )
     return rows
 
 
@@ -87,7 +109,9 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
-    blocks (``FaultPolicy.recompute_blocks``).
+    blocks (``FaultPolicy.recompute_blocks``); ``protected_fused`` is ``FaultPolicy(fused=True)`` (on
+    a Hopper GPU, at 128-column blocks, the fused kernel, whose GEMM with its block sums alone is
+    ``fused_kernel``).
     """
     rows = []
     for block_n in block_ns:
@@ -110,6 +134,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             c, mag = jax.jit(ops.abft_checks)(x, enc)
             fns = {
                 "plain": (jax.jit(jnp.matmul), (x, w)),
+                "protected_fused": protected(policy.replace(fused=True)),
                 "checks": (jax.jit(ops.abft_checks), (x, enc)),
                 "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
                 "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
@@ -118,7 +143,9 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             }
             if block_n is not None:
                 fns["protected_redo_blocks"] = protected(policy.replace(recompute_blocks=32))
-            for name in ("protected", "protected_redo_blocks"):
+            if block_n == TILE and hopper():  # (elsewhere protected_fused is the unfused path)
+                fns["fused_kernel"] = (jax.jit(fused_gemm), (x, w))
+            for name in ("protected", "protected_redo_blocks", "protected_fused"):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)
                     if rep.to_dict()["gemm_detected"]:

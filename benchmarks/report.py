@@ -20,7 +20,9 @@ largest gradient difference between protected and plain (0: identical bf16 gradi
 is the ABFT column block (`row`: one checksum per output row, the library default; 128: what the
 training script uses). The matmul table on cpu:cpu is the CPU goal (protected Dense <= 1.3x plain at
 small sizes, f32). `matmul-parts` times a protected forward GEMM's stages alone and together (see
-`benchmarks/matmul.py::parts`); `ratio` there is plain / protected.
+`benchmarks/matmul.py::parts`); `ratio` there is plain / protected. `fused` / `protected_fused` is
+`FaultPolicy(fused=True)`: on a Hopper GPU the forward GEMM is one Pallas kernel whose epilogue forms
+the block sums the check compares (`fused_kernel`: that GEMM alone), not the default yet.
 
 Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
 shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;

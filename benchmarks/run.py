@@ -6,6 +6,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --su
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite routing-sim
 python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
 python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="llama3: decoder layers at 8B dimensions")
     ap.add_argument("--steps", type=int, default=12, help="llama3: training steps per configuration")
     ap.add_argument("--devices", type=int, default=1, help="llama3: devices to train on (0: all)")
+    ap.add_argument(
+        "--fused", action="store_true", help="llama3: also protected with the fused forward GEMM (Hopper)"
+    )
     ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
     ap.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="matmul: operand dtype"
@@ -73,7 +77,10 @@ def main() -> None:
         ("routing-sim", routing.run_sim),
         ("routing-multi", routing.run_multi),
         ("peers", peers.run),
-        ("llama3", lambda: llama3.run(layers=args.layers, steps=args.steps, devices=args.devices)),
+        (
+            "llama3",
+            lambda: llama3.run(layers=args.layers, steps=args.steps, devices=args.devices, fused=args.fused),
+        ),
     ):
         if args.suite in (name, "all"):
             rows = run()

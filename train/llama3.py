@@ -71,6 +71,7 @@ class TrainConfig:
     nan_rate: float = 0.02  # chance per step of a NaN burst in the gradients
     link_fault_rate: float = 0.0  # needs the model's attention routed over the sequence (not wired yet)
     protect: bool = True  # False: stock arithmetic, no store (the comparison run)
+    fused: bool = False  # FaultPolicy.fused: the fused forward GEMM where it runs (Hopper, bf16)
     out_dir: str = "runs/llama3"
     ckpt_every: int = 0  # 0: no checkpoints
     resume: bool = False
@@ -166,7 +167,7 @@ def train(cfg: TrainConfig) -> dict:
     # Checksums per 128-column block, not per whole row: the detection bound grows with the block's
     # sum of |x| |w|, and at the 8B widths (N = 14336) a whole-row bound is ~67, so an exponent flip
     # that turns a value of 2 into 0 would pass as rounding; per 128 columns it is ~0.2.
-    policy = FaultPolicy(block_n=128) if cfg.protect else FaultPolicy.off()
+    policy = FaultPolicy(block_n=128, fused=cfg.fused) if cfg.protect else FaultPolicy.off()
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     model = Llama3(
         model_cfg, dtype=dtype, param_dtype=pdtype, policy=policy, remat=cfg.remat, rngs=nnx.Rngs(cfg.seed)
