@@ -91,7 +91,7 @@ def first_true(mask: jax.Array, cap: int) -> jax.Array:
     per = jnp.sum(m, axis=1, dtype=jnp.int32)
     upto = jnp.cumsum(per)  # entries in chunks 0..c
     want = jnp.arange(cap, dtype=jnp.int32)
-    # compare_all: the default "scan" method is a loop (on a GPU, one host round trip per step).
+    # compare_all: one elementwise pass; the default "scan" method is a sequential loop.
     c = jnp.searchsorted(upto, want, side="right", method="compare_all")
     c = jnp.minimum(c, nc - 1).astype(jnp.int32)
     rank = want - (upto[c] - per[c])  # the wanted entry's rank inside chunk c
