@@ -98,6 +98,17 @@ def test_not_taken_where_it_does_not_apply(fused):
     assert loops(lambda a, b: pmm(a, b, FaultPolicy())) == 1
 
 
+def test_opt_in_elsewhere_than_hopper_is_the_default_path():
+    """``fused=True`` where the kernel cannot run (no Hopper GPU) falls back to the unfused path."""
+    if _fused_gemm.hopper():
+        pytest.skip("on a Hopper GPU the fused path is taken")
+    x, w = _xw()
+    assert _loops(lambda a, b: ops.protected_matmul(a, b, policy=FUSED), x, w) == 1
+    y, r = _pmm()(x, w, None)
+    y0, r0 = _pmm(FaultPolicy())(x, w, None)
+    assert np.asarray(y).tobytes() == np.asarray(y0).tobytes() and r.to_dict() == r0.to_dict()
+
+
 def test_sums_of_the_reference_are_the_accumulators_block_sums():
     x, w = _xw()
     y, s = _fused_gemm.fused_gemm_reference(x, w)
