@@ -90,7 +90,7 @@ def run(
                 "final_loss": s["curve"][-1][1],
             }
         )
-    off = next(r for r in rows if not r["protect"])  # the first row
+    off = next(r for r in rows if not r["protect"])
     for r in rows:
         r["on_over_off"] = r["tokens_per_s"] / off["tokens_per_s"]
     return rows
