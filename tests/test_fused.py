@@ -1,4 +1,4 @@
-"""The fused protected GEMM: block sums from the GEMM's epilogue, the check on them, the column redo.
+"""The fused protected GEMM: block sums from the GEMM's epilogue, the check on them, the tile redo.
 
 On the CPU the fused path runs with ``fused_gemm_reference`` standing in for the Hopper kernel (the
 same outputs, computed by XLA); the GPU tests check the kernel against that reference and run the
@@ -14,7 +14,7 @@ from helpers import TraceCounter
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
 from pimlayers.ops import _fused_gemm, _protected_matmul
-from pimlayers.ops._fused_check import REDO_TILES, fused_flags
+from pimlayers.ops._fused_check import fused_flags
 
 M, K, N = 256, 192, 512  # two row tiles, four 128-column blocks: the kernel's smallest multiples x2
 
@@ -31,7 +31,7 @@ def _plain(x, w):
 
 
 @pytest.fixture
-def fused(monkeypatch, request):
+def fused(monkeypatch):
     """The fused path on this machine: the Hopper kernel on a Hopper GPU, else its reference."""
     if not _fused_gemm.hopper():
         monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
@@ -59,8 +59,8 @@ def _assert_redone(y, clean):
 
 def _big(clean, row, lo, hi):
     """A column in [lo, hi) of ``row`` whose value has magnitude in [1, 4): a flip of its sign or of
-    a high exponent bit moves it by at least 1, beyond the bound (~2^-8 of the block's sum of |y|,
-    ~0.4 here)."""
+    a high exponent bit moves it by at least 1, far beyond the bound (the f32 accumulation's,
+    0.013-0.017 here; the unfused check of a bf16 y also allows 2^-8 of the block's sum of |y|)."""
     v = np.abs(np.asarray(clean[row, lo:hi], np.float32))
     assert np.any((v >= 1) & (v < 4))
     return lo + int(np.argmax((v >= 1) & (v < 4)))
@@ -166,12 +166,11 @@ def test_a_whole_tile_fault_is_repaired(fused):
     cols = [_big(clean, r, 384, 512) for r in rows]
     y, r = _pmm()(x, w, _sites(rows, cols, [30] * 128))
     d = r.to_dict()
-    assert REDO_TILES >= 1
     assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 128, 0)
     _assert_redone(y, clean)
 
 
-def test_non_finite_flip_is_redone_and_gated_values_counted(fused):
+def test_non_finite_flip_is_detected_and_redone(fused):
     x, w = _xw(seed=2)
     clean = np.asarray(_plain(x, w), np.float32)
     row, col = map(int, np.argwhere((np.abs(clean) >= 1) & (np.abs(clean) < 2))[0])
