@@ -9,12 +9,12 @@ before rounding it to y (bf16):
 
 written as a small (2, N / 128, M) f32 array next to y. The check then compares them with the checks
 GEMM's ``c = x @ [w1, w2]`` (``_fused_check.fused_flags``): y is never read again. What is verified
-is the accumulator, as classic ABFT does, so the bound is the f32 accumulation's alone — no bf16
-rounding term, about 3x sharper than the unfused check of a bf16 y (whose bound must also cover
-2^-8 of the block's sum of |y|). A fault in the accumulator corrupts y and the sums alike, and the
-sums then disagree with c, which came from the operands by a separate GEMM; the rounding to bf16 is
-one conversion per value after the sums, and a value corrupted in memory after the epilogue is
-outside this check (as it is outside any GEMM's).
+is the accumulator, as classic ABFT does, so the bound is the f32 accumulation's alone, with no bf16
+rounding term: about 3x sharper (K = 4096, random data) than the unfused check of a bf16 y, whose
+bound must also cover 2^-8 of the block's sum of |y|. A fault in the accumulator corrupts y and the
+sums alike, and the sums then disagree with c, which came from the operands by a separate GEMM.
+The rounding to bf16 is one conversion per value after the sums; a value corrupted in memory after
+the epilogue is outside this check (as it is outside any GEMM's).
 
 Written with Pallas's Mosaic-GPU API (warp-specialised pipeline: one warpgroup feeds shared memory by
 TMA, two compute warpgroups each own a 128 x 128 accumulator). Hopper (sm_90) only, bf16 operands,
