@@ -196,6 +196,19 @@ def test_recompute_capacity_overflow_is_reported_uncorrectable():
     assert np.array_equal(np.delete(y, 7, axis=0), np.delete(clean, 7, axis=0))
 
 
+def test_block_redo_counts_each_gated_value_once():
+    """Products that overflow in several blocks: each redone block's gated values counted once."""
+    x, w = _xw(16, 64, 100)
+    w = jnp.abs(w)
+    x = x.at[5].set(1e38)  # row 5 overflows to +Inf in all 100 columns (4 blocks of 32: 32+32+32+4)
+    policy = pl.FaultPolicy(block_n=32, recompute_blocks=32)
+    y, r = jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=policy))(x, w)
+    d = r.to_dict()
+    # The four blocks are redone, still overflow (reported) and are gated: 100 values, once.
+    assert (d["gemm_recomputed"], d["gemm_uncorrectable"], d["nonfinite_gated"]) == (1, 4, 100)
+    assert np.all(np.asarray(y)[5] == 0.0)
+
+
 def test_a_recomputed_block_replaces_its_gated_count():
     """A flip to Inf plus a second error in one block: the first pass gates the Inf and cannot
     locate; the recompute restores the block, so nothing stays counted as gated."""

@@ -329,7 +329,7 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
         valid & (flags2[:, 0, 0] == ABFT_DETECTED), dtype=jnp.int32
     )
     redone = jnp.zeros((g,), jnp.int32).at[gi].max(valid.astype(jnp.int32))
-    gated = jnp.sum(jnp.where(valid, counts2[:, 0], 0), dtype=jnp.int32) - gated_first
+    gated = jnp.sum(jnp.where(valid, counts2[:, 0, 0], 0), dtype=jnp.int32) - gated_first
     return out, gated, still, jnp.sum(redone, dtype=jnp.int32)
 
 
