@@ -71,7 +71,7 @@ def inject_fused(
     counted = ~jnp.any(same, axis=1) & (rows >= 0) & (rows < m) & (cols >= 0) & (cols < n)
     r, cc = jnp.clip(rows, 0, m - 1), jnp.clip(cols, 0, n - 1)
     # inject_gemm_faults' flip, with the old values read before y is written: y's last use is then
-    # the scatter, which XLA does in place (reading y after it would cost a copy of y).
+    # the scatter, which XLA can do in place (reading y's old values after it needs a copy of y).
     old = y[r, cc].astype(jnp.float32)
     bit = jnp.left_shift(jnp.uint32(1), faults.bits.astype(jnp.uint32))
     mask = jnp.where(faults.active, bit, jnp.uint32(0))
