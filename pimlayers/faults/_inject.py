@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int32
 
-__all__ = ["GemmFaults", "inject_gemm_faults"]
+__all__ = ["GemmFaults", "flip_sites", "inject_gemm_faults"]
 
 
 class GemmFaults(NamedTuple):
@@ -47,6 +47,14 @@ class GemmFaults(NamedTuple):
         return GemmFaults(rows, cols, bits, active)
 
 
+def flip_sites(old: Float[Array, " f"], faults: GemmFaults) -> Float[Array, " f"]:
+    """The sites' f32 values with their active bits flipped (inactive sites unchanged)."""
+    mask = jnp.where(
+        faults.active, jnp.left_shift(jnp.uint32(1), faults.bits.astype(jnp.uint32)), jnp.uint32(0)
+    )
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(old, jnp.uint32) ^ mask, jnp.float32)
+
+
 def inject_gemm_faults(y: Float[Array, "m n"], faults: GemmFaults | None) -> Float[Array, "m n"]:
     """Flip the active sites' bits of a GEMM's f32 accumulator (a no-op for None).
 
@@ -58,10 +66,6 @@ def inject_gemm_faults(y: Float[Array, "m n"], faults: GemmFaults | None) -> Flo
     """
     if faults is None:
         return y
-    mask = jnp.where(
-        faults.active, jnp.left_shift(jnp.uint32(1), faults.bits.astype(jnp.uint32)), jnp.uint32(0)
-    )
     # Gather, XOR, scatter: a site drawn twice flips once (its last draw wins).
-    old = lax.bitcast_convert_type(y[faults.rows, faults.cols].astype(jnp.float32), jnp.uint32)
-    new = lax.bitcast_convert_type(old ^ mask, jnp.float32).astype(y.dtype)
+    new = flip_sites(y[faults.rows, faults.cols].astype(jnp.float32), faults).astype(y.dtype)
     return y.at[faults.rows, faults.cols].set(new, mode="drop")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, BFloat16, Float, Int32
 
-from ..faults._inject import GemmFaults
+from ..faults._inject import GemmFaults, flip_sites
 from ._abft import ABFT_CLEAN, ABFT_DETECTED, F32_ROUNDOFF
 from ._fused_gemm import TILE, block_sums
 
@@ -73,9 +73,7 @@ def inject_fused(
     # inject_gemm_faults' flip, with the old values read before y is written: y's last use is then
     # the scatter, which XLA can do in place (reading y's old values after it needs a copy of y).
     old = y[r, cc].astype(jnp.float32)
-    bit = jnp.left_shift(jnp.uint32(1), faults.bits.astype(jnp.uint32))
-    mask = jnp.where(faults.active, bit, jnp.uint32(0))
-    new = lax.bitcast_convert_type(lax.bitcast_convert_type(old, jnp.uint32) ^ mask, jnp.float32)
+    new = flip_sites(old, faults)
     y2 = y.at[rows, cols].set(new.astype(y.dtype), mode="drop")
     d1 = jnp.where(counted, new - old, 0.0)  # inf or NaN when the flip made one: the sums follow
     blk, j1 = cc // TILE, (cc % TILE + 1).astype(jnp.float32)
@@ -106,8 +104,8 @@ def redo_tiles(
     blocks beyond that capacity, and redone ones that still fail, are counted as uncorrectable —
     never silent.
 
-    Returns ``(y, still, gated, redone)``: blocks still uncorrectable, values the gate replaced,
-    and whether anything was redone (0 or 1, the report's GEMM count).
+    Returns ``(y, pending, still, gated, redone)``: detected blocks, those still uncorrectable,
+    values the gate replaced, and whether anything was redone (0 or 1, the report's GEMM count).
     """
     m, kk = a.shape
     nb = flags.shape[1]
@@ -144,7 +142,7 @@ def redo_tiles(
         failed = failed + jnp.sum(rows & again, dtype=jnp.int32)
         gated = gated + jnp.sum(gone & rows[:, None], dtype=jnp.int32)
     still = pending - handled + failed
-    return y, still, gated, (handled > 0).astype(jnp.int32)
+    return y, pending, still, gated, (handled > 0).astype(jnp.int32)
 
 
 def _split_k_dot(

@@ -241,9 +241,8 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
     _margins.record(role, y[None], c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     flags = fused_flags(sums, c[0], mag[0], k, policy.lam)
-    pending = jnp.sum(flags != 0, dtype=jnp.int32)
     kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
-    y, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
+    y, pending, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
     report = FaultReport(
         gemm_checked=jnp.int32(1),
         gemm_detected=(pending > 0).astype(jnp.int32),
