@@ -7,6 +7,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlGateCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankChecksumsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardManyCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankVerifyManyCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCpu);
@@ -29,6 +31,8 @@ PYBIND11_MODULE(_pimlayers_cpu, m) {
     d["pimlayers_parity"] = Capsule(PlParityCpu);
     d["pimlayers_reconstruct"] = Capsule(PlReconstructCpu);
     d["pimlayers_bank_guard"] = Capsule(PlBankGuardCpu);
+    d["pimlayers_bank_guard_many"] = Capsule(PlBankGuardManyCpu);
+    d["pimlayers_bank_verify_many"] = Capsule(PlBankVerifyManyCpu);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCpu);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCpu);
     d["pimlayers_abft_encode"] = Capsule(PlAbftEncodeCpu);

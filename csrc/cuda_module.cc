@@ -7,6 +7,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlGateCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankChecksumsCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardManyCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankVerifyManyCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCuda);
@@ -28,6 +30,8 @@ PYBIND11_MODULE(_pimlayers_cuda, m) {
     d["pimlayers_parity"] = Capsule(PlParityCuda);
     d["pimlayers_reconstruct"] = Capsule(PlReconstructCuda);
     d["pimlayers_bank_guard"] = Capsule(PlBankGuardCuda);
+    d["pimlayers_bank_guard_many"] = Capsule(PlBankGuardManyCuda);
+    d["pimlayers_bank_verify_many"] = Capsule(PlBankVerifyManyCuda);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCuda);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCuda);
     d["pimlayers_pim_gemv"] = Capsule(PlPimGemvCuda);

@@ -1,6 +1,7 @@
-// CPU handler of bank_guard: per parity group, each member bank is read once, in blocks that stay
-// in L1, for its XOR into the group's parity row and its checksum; then the parity row's checksum.
-#include "guard.h"
+// CPU handlers of bank_guard, bank_guard_many and bank_verify_many. bank_guard: per parity group,
+// each member bank is read once, in blocks that stay in L1, for its XOR into the group's parity row
+// and its checksum; then the parity row's checksum.
+#include "guard_many.h"
 
 #include <cstring>
 
@@ -28,6 +29,38 @@ void ChecksumBlock(const uint8_t* p, int64_t n, int64_t w0, uint64_t* a, uint64_
   *b = ModM31(*b + sb + static_cast<uint64_t>(w0) * sa);
 }
 
+// Checksum of bytes p[0, n) of one bank (or parity row) into out[0..1].
+void ChecksumRow(const uint8_t* p, int64_t n, uint32_t* out) {
+  uint64_t s1 = 0, s2 = 0;
+  for (int64_t j = 0; j < n; j += kBlock)
+    ChecksumBlock(p + j, n - j < kBlock ? n - j : kBlock, j / 2, &s1, &s2);
+  out[0] = static_cast<uint32_t>(s1);
+  out[1] = static_cast<uint32_t>(s2);
+}
+
+// Checksums (so), parity (po) and parity checksums (pso) of one example's `bytes` bytes.
+void GuardOne(const uint8_t* ex, int64_t bytes, int64_t nbanks, int64_t ngroups, int64_t bank_bytes,
+              int64_t group, uint32_t* so, uint8_t* po, uint32_t* pso) {
+  for (int64_t g = 0; g < ngroups; ++g) {
+    uint8_t* row = po + g * bank_bytes;
+    std::memset(row, 0, bank_bytes);
+    for (int64_t b = g * group; b < (g + 1) * group && b < nbanks; ++b) {
+      const int64_t off = b * bank_bytes;
+      const int64_t n = bytes - off < bank_bytes ? bytes - off : bank_bytes;
+      const uint8_t* src = ex + off;
+      uint64_t s1 = 0, s2 = 0;
+      for (int64_t j = 0; j < n; j += kBlock) {
+        const int64_t len = n - j < kBlock ? n - j : kBlock;
+        for (int64_t k = 0; k < len; ++k) row[j + k] ^= src[j + k];
+        ChecksumBlock(src + j, len, j / 2, &s1, &s2);
+      }
+      so[2 * b] = static_cast<uint32_t>(s1);
+      so[2 * b + 1] = static_cast<uint32_t>(s2);
+    }
+    ChecksumRow(row, bank_bytes, pso + 2 * g);
+  }
+}
+
 ffi::Error GuardCpu(ffi::AnyBuffer x, int64_t bank_bytes, int64_t group,
                     ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> parity,
                     ffi::Result<ffi::AnyBuffer> psums) {
@@ -40,32 +73,48 @@ ffi::Error GuardCpu(ffi::AnyBuffer x, int64_t bank_bytes, int64_t group,
   uint8_t* po = static_cast<uint8_t*>(parity->untyped_data());
   uint32_t* pso = static_cast<uint32_t*>(psums->untyped_data());
   for (int64_t e = 0; e < L.batch; ++e) {
-    const uint8_t* ex = in + e * L.bytes;
-    for (int64_t g = 0; g < P.ngroups; ++g) {
-      const int64_t eg = e * P.ngroups + g;
-      uint8_t* row = po + eg * bank_bytes;
-      std::memset(row, 0, bank_bytes);
-      for (int64_t b = g * group; b < (g + 1) * group && b < L.nbanks; ++b) {
-        const int64_t off = b * bank_bytes;
-        const int64_t n = L.bytes - off < bank_bytes ? L.bytes - off : bank_bytes;
-        const uint8_t* src = ex + off;
-        uint64_t s1 = 0, s2 = 0;
-        for (int64_t j = 0; j < n; j += kBlock) {
-          const int64_t len = n - j < kBlock ? n - j : kBlock;
-          for (int64_t k = 0; k < len; ++k) row[j + k] ^= src[j + k];
-          ChecksumBlock(src + j, len, j / 2, &s1, &s2);
-        }
-        so[2 * (e * L.nbanks + b)] = static_cast<uint32_t>(s1);
-        so[2 * (e * L.nbanks + b) + 1] = static_cast<uint32_t>(s2);
-      }
-      uint64_t s1 = 0, s2 = 0;
-      for (int64_t j = 0; j < bank_bytes; j += kBlock) {
-        ChecksumBlock(row + j, bank_bytes - j < kBlock ? bank_bytes - j : kBlock, j / 2, &s1, &s2);
-      }
-      pso[2 * eg] = static_cast<uint32_t>(s1);
-      pso[2 * eg + 1] = static_cast<uint32_t>(s2);
+    GuardOne(in + e * L.bytes, L.bytes, L.nbanks, P.ngroups, bank_bytes, group,
+             so + 2 * e * L.nbanks, po + e * P.ngroups * bank_bytes, pso + 2 * e * P.ngroups);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GuardManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
+                        ffi::RemainingRets rets) {
+  std::vector<ManyLeaf> leaves;
+  if (auto e = CollectGuardMany(args, rets, bank_bytes, group, &leaves); e.failure()) return e;
+  for (const ManyLeaf& L : leaves) {
+    GuardOne(L.x, L.bytes, L.nbanks, L.ngroups, bank_bytes, group, L.sums, L.parity, L.psums);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error VerifyManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
+                         ffi::RemainingRets rets) {
+  std::vector<ManyLeaf> leaves;
+  int32_t* count = nullptr;
+  if (auto e = CollectVerifyMany(args, rets, bank_bytes, group, &leaves, &count); e.failure())
+    return e;
+  int64_t faulty = 0;
+  for (const ManyLeaf& L : leaves) {
+    for (int64_t b = 0; b < L.nbanks; ++b) {
+      const int64_t off = b * bank_bytes;
+      ChecksumRow(L.x + off, L.bytes - off < bank_bytes ? L.bytes - off : bank_bytes,
+                  L.sums + 2 * b);
+      const bool bad =
+          L.sums[2 * b] != L.sums_in[2 * b] || L.sums[2 * b + 1] != L.sums_in[2 * b + 1];
+      L.bad[b] = bad;
+      faulty += bad;
+    }
+    for (int64_t g = 0; g < L.ngroups; ++g) {
+      uint32_t now[2];
+      ChecksumRow(L.par_in + g * bank_bytes, bank_bytes, now);
+      const bool bad = now[0] != L.psums_in[2 * g] || now[1] != L.psums_in[2 * g + 1];
+      L.bad_par[g] = bad;
+      faulty += bad;
     }
   }
+  *count = static_cast<int32_t>(faulty);
   return ffi::Error::Success();
 }
 
@@ -80,3 +129,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankGuardCpu, pimlayers::GuardCpu,
                                   .Ret<xla::ffi::AnyBuffer>()    // sums: (..., nbanks, 2) u32
                                   .Ret<xla::ffi::AnyBuffer>()    // parity: (..., ngroups, bank) u8
                                   .Ret<xla::ffi::AnyBuffer>());  // parity sums: (..., ngroups, 2)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankGuardManyCpu, pimlayers::GuardManyCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()              // x_i: byte-addressable arrays
+                                  .Attr<int64_t>("bank_bytes")  // bank size, multiple of 16
+                                  .Attr<int64_t>("group")       // banks per parity group
+                                  .RemainingRets());            // sums_i, parity_i, psums_i
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankVerifyManyCpu, pimlayers::VerifyManyCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()  // x_i, parity_i, sums_i, psums_i
+                                  .Attr<int64_t>("bank_bytes")
+                                  .Attr<int64_t>("group")
+                                  .RemainingRets());  // now_i, bad_i, bad_par_i; then the count

@@ -145,6 +145,52 @@ def test_bank_guard(gpu, dtype, nbytes, bank, group):
         assert all(np.array_equal(np.asarray(g), np.asarray(c)) for g, c in zip(got, cpu, strict=True))
 
 
+# Many leaves in one call: ragged sizes and dtypes, more leaves than one launch's table (32), and
+# banks of one chunk, two chunks (4112) and many (2^16), groups beyond one pass of 8 members (11).
+MANY_SIZES = [0, 2, 6, 4098, 77 * 4, (1 << 20) + 6, 4096 * 8 * 3, 1 << 24]
+
+
+def _many_leaves(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    dtypes = [jnp.uint8, jnp.bfloat16, jnp.float32, jnp.int8]
+    out = []
+    for i in range(count):
+        d = dtypes[i % len(dtypes)]
+        nbytes = MANY_SIZES[(i + 1) % len(MANY_SIZES)]  # the empty one is not first
+        out.append(random_array(rng, (nbytes // jnp.dtype(d).itemsize,), d))
+    return out
+
+
+@pytest.mark.parametrize("count", [1, 9, 40])
+@pytest.mark.parametrize(("bank", "group"), [(16, 3), (4096, 8), (4112, 3), (4096, 11), (1 << 16, 2)])
+def test_bank_guard_and_verify_many(gpu, count, bank, group):
+    host = _many_leaves(count + bank + group, count)
+    xs = [_on(gpu, x) for x in host]
+    kw = dict(bank_bytes=bank, group=group)
+    got = jax.jit(lambda a: ops.bank_guard_many(a, **kw, impl="native"))(xs)
+    ref = jax.jit(lambda a: ops.bank_guard_many(a, **kw, impl="reference"))(xs)
+    for g3, r3 in zip(got, ref, strict=True):
+        assert all(np.array_equal(np.asarray(g), np.asarray(r)) for g, r in zip(g3, r3, strict=True))
+    # Flip one bit in every other non-empty leaf and one parity bit of the last non-empty leaf.
+    flipped = []
+    for i, x in enumerate(host):
+        b = np.array(x)
+        if i % 2 == 0 and b.size:
+            b.reshape(-1).view(np.uint8)[b.nbytes // 2] ^= 1
+        flipped.append(b)
+    changed = sum(1 for i, x in enumerate(host) if i % 2 == 0 and x.size)
+    guards = [tuple(g) for g in got]
+    j = [i for i, x in enumerate(host) if x.size][-1]
+    guards[j] = (guards[j][0], guards[j][1].at[0, 0].set(guards[j][1][0, 0] ^ 4), guards[j][2])
+    ys = [_on(gpu, x) for x in flipped]
+    v = jax.jit(lambda a, g: ops.bank_verify_many(a, g, **kw, impl="native"))(ys, guards)
+    r = jax.jit(lambda a, g: ops.bank_verify_many(a, g, **kw, impl="reference"))(ys, guards)
+    for field in range(3):
+        for a, b in zip(v[field], r[field], strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert int(v.count) == int(r.count) == changed + 1  # one bank per flipped leaf, one parity row
+
+
 def test_bank_guard_vmap_unaligned_examples(gpu):
     # 77 float32 = 308 bytes per example: every example after the first starts off a 16-byte boundary.
     x = _on(gpu, random_array(np.random.default_rng(12), (5, 77), jnp.float32))

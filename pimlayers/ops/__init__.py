@@ -1,5 +1,6 @@
 """Native ops with pure-JAX twins: the insulation gate, bank checksums, parity (and both in one read:
-bank_guard), ABFT checks, the banked (PIM) GEMV."""
+bank_guard; for many arrays in one call: bank_guard_many, and their check: bank_verify_many), ABFT
+checks, the banked (PIM) GEMV."""
 
 from ._abft import ABFT_CLEAN as ABFT_CLEAN
 from ._abft import ABFT_CORRECTED as ABFT_CORRECTED
@@ -19,6 +20,11 @@ from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
 from ._guard import bank_guard as bank_guard
 from ._guard import bank_guard_reference as bank_guard_reference
+from ._guard_many import Verified as Verified
+from ._guard_many import bank_guard_many as bank_guard_many
+from ._guard_many import bank_guard_many_reference as bank_guard_many_reference
+from ._guard_many import bank_verify_many as bank_verify_many
+from ._guard_many import bank_verify_many_reference as bank_verify_many_reference
 from ._margins import CheckMargin as CheckMargin
 from ._margins import MarginLog as MarginLog
 from ._margins import check_margins as check_margins

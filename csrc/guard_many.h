@@ -1,0 +1,181 @@
+// bank_guard_many and bank_verify_many: encode-on-write and the scrub's check of many arrays (the
+// leaves of a parameter pytree) in one call, so one kernel launch covers them all.
+//
+//   bank_guard_many(x_0 .. x_{n-1}) -> (sums_i, parity_i, psums_i) for each i, as bank_guard with
+//     parity_sums=True on each x_i alone (one example: no batch axes).
+//   bank_verify_many(x_i, parity_i, sums_i, psums_i for each i) -> (now_i, bad_i, bad_par_i) for
+//     each i, then count: now_i = bank_checksums(x_i); bad_i[b] = now_i[b] != sums_i[b] (either
+//     sum); bad_par_i[g] = bank_checksums(parity_i)[g] != psums_i[g]; count = int32 number of true
+//     entries of every bad_i and bad_par_i.
+#pragma once
+
+#include <initializer_list>
+#include <vector>
+
+#include "guard.h"
+
+namespace pimlayers {
+
+// One array of a multi-array call: where its bytes are and where its results go.
+struct ManyLeaf {
+  const uint8_t* x = nullptr;
+  int64_t bytes = 0, nbanks = 0, ngroups = 0;
+  const uint8_t* par_in = nullptr;     // verify: the stored parity
+  const uint32_t* sums_in = nullptr;   // verify: the stored checksums
+  const uint32_t* psums_in = nullptr;  // verify: the stored parity checksums
+  uint32_t* sums = nullptr;            // guard: checksums; verify: checksums now
+  uint8_t* parity = nullptr;           // guard
+  uint32_t* psums = nullptr;           // guard
+  uint8_t* bad = nullptr;              // verify: bool per bank
+  uint8_t* bad_par = nullptr;          // verify: bool per group
+};
+
+// buf must be `dtype` of exactly `dims` (no batch axes). Strings are built only for an error: the
+// handlers check every leaf on every call.
+inline ffi::Error CheckManyBuffer(const std::string& op, const ffi::AnyBuffer& buf,
+                                  ffi::DataType dtype, std::initializer_list<int64_t> dims,
+                                  const char* what, size_t i) {
+  auto d = buf.dimensions();
+  bool ok = buf.element_type() == dtype && d.size() == dims.size();
+  size_t k = 0;
+  for (int64_t n : dims) ok = ok && d[k++] == n;
+  if (ok) return ffi::Error::Success();
+  std::string want = "(";
+  k = 0;
+  for (int64_t n : dims) want += (k++ ? ", " : "") + std::to_string(n);
+  want += dims.size() == 1 ? ",)" : ")";
+  return BadArg(op, std::string(what) + " of array " + std::to_string(i) + " is " +
+                        DtypeName(buf.element_type()) + ShapeString(d) + "; expected " +
+                        DtypeName(dtype) + want);
+}
+
+// Leaf i's bank and group counts from its array (bank_bytes and group checked by the caller).
+inline ffi::Error ManyLayout(const std::string& op, const ffi::AnyBuffer& x, int64_t bank_bytes,
+                             int64_t group, size_t i, ManyLeaf* L) {
+  if (!ByteAddressable(x.element_type())) {
+    return BadArg(op, "array " + std::to_string(i) + " has dtype " + DtypeName(x.element_type()) +
+                          "; expected a byte-addressable dtype");
+  }
+  L->x = static_cast<const uint8_t*>(x.untyped_data());
+  L->bytes = static_cast<int64_t>(x.size_bytes());
+  L->nbanks = CeilDiv(L->bytes, bank_bytes), L->ngroups = CeilDiv(L->nbanks, group);
+  return ffi::Error::Success();
+}
+
+// The attributes, checked once per call.
+inline ffi::Error CheckManyAttrs(const std::string& op, int64_t bank_bytes, int64_t group) {
+  if (bank_bytes <= 0 || bank_bytes % 16 != 0 || bank_bytes > (int64_t{1} << 31)) {
+    return BadArg(op, "bank_bytes=" + std::to_string(bank_bytes) +
+                          "; expected a positive multiple of 16 of at most 2^31");
+  }
+  if (group <= 0) return BadArg(op, "group=" + std::to_string(group) + "; expected >= 1");
+  return ffi::Error::Success();
+}
+
+template <typename T>
+T* Data(ffi::Result<ffi::AnyBuffer>& r) {
+  return static_cast<T*>(r->untyped_data());
+}
+
+inline ffi::Error CollectGuardMany(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                   int64_t bank_bytes, int64_t group, std::vector<ManyLeaf>* out) {
+  static const std::string op = "bank_guard_many";
+  if (auto e = CheckManyAttrs(op, bank_bytes, group); e.failure()) return e;
+  const size_t n = args.size();
+  if (rets.size() != 3 * n) {
+    return BadArg(op, std::to_string(n) + " arrays and " + std::to_string(rets.size()) +
+                          " results; expected 3 results per array");
+  }
+  out->assign(n, ManyLeaf{});
+  for (size_t i = 0; i < n; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto s = rets.get<ffi::AnyBuffer>(3 * i);
+    auto p = rets.get<ffi::AnyBuffer>(3 * i + 1);
+    auto ps = rets.get<ffi::AnyBuffer>(3 * i + 2);
+    if (!x.has_value() || !s.has_value() || !p.has_value() || !ps.has_value()) {
+      return BadArg(op, "array " + std::to_string(i) + " or its results are not buffers");
+    }
+    ManyLeaf& L = (*out)[i];
+    if (auto e = ManyLayout(op, *x, bank_bytes, group, i, &L); e.failure()) return e;
+    if (auto e = CheckManyBuffer(op, **s, ffi::DataType::U32, {L.nbanks, 2}, "sums", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, **p, ffi::DataType::U8, {L.ngroups, bank_bytes}, "parity", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, **ps, ffi::DataType::U32, {L.ngroups, 2}, "parity sums", i);
+        e.failure()) {
+      return e;
+    }
+    L.sums = Data<uint32_t>(*s), L.parity = Data<uint8_t>(*p), L.psums = Data<uint32_t>(*ps);
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CollectVerifyMany(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                    int64_t bank_bytes, int64_t group, std::vector<ManyLeaf>* out,
+                                    int32_t** count) {
+  static const std::string op = "bank_verify_many";
+  if (auto e = CheckManyAttrs(op, bank_bytes, group); e.failure()) return e;
+  if (args.size() % 4 != 0 || rets.size() != 3 * (args.size() / 4) + 1) {
+    return BadArg(op, std::to_string(args.size()) + " operands and " + std::to_string(rets.size()) +
+                          " results; expected 4 operands and 3 results per array, and a count");
+  }
+  const size_t n = args.size() / 4;
+  auto c = rets.get<ffi::AnyBuffer>(3 * n);
+  if (!c.has_value()) return BadArg(op, "the count is not a buffer");
+  if (c.value()->element_type() != ffi::DataType::S32 || c.value()->dimensions().size() != 0) {
+    return BadArg(op, std::string("the count is ") + DtypeName(c.value()->element_type()) +
+                          ShapeString(c.value()->dimensions()) + "; expected an int32 scalar");
+  }
+  *count = Data<int32_t>(*c);
+  out->assign(n, ManyLeaf{});
+  for (size_t i = 0; i < n; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(4 * i);
+    auto par = args.get<ffi::AnyBuffer>(4 * i + 1);
+    auto sums = args.get<ffi::AnyBuffer>(4 * i + 2);
+    auto psums = args.get<ffi::AnyBuffer>(4 * i + 3);
+    auto now = rets.get<ffi::AnyBuffer>(3 * i);
+    auto bad = rets.get<ffi::AnyBuffer>(3 * i + 1);
+    auto bad_par = rets.get<ffi::AnyBuffer>(3 * i + 2);
+    if (!x.has_value() || !par.has_value() || !sums.has_value() || !psums.has_value() ||
+        !now.has_value() || !bad.has_value() || !bad_par.has_value()) {
+      return BadArg(op, "array " + std::to_string(i) + "'s operands or results are not buffers");
+    }
+    ManyLeaf& L = (*out)[i];
+    if (auto e = ManyLayout(op, *x, bank_bytes, group, i, &L); e.failure()) return e;
+    if (auto e = CheckManyBuffer(op, *par, ffi::DataType::U8, {L.ngroups, bank_bytes}, "parity", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, *sums, ffi::DataType::U32, {L.nbanks, 2}, "sums", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, *psums, ffi::DataType::U32, {L.ngroups, 2}, "parity sums", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, **now, ffi::DataType::U32, {L.nbanks, 2}, "checksums now", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, **bad, ffi::DataType::PRED, {L.nbanks}, "bad", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, **bad_par, ffi::DataType::PRED, {L.ngroups}, "bad parity", i);
+        e.failure()) {
+      return e;
+    }
+    L.par_in = static_cast<const uint8_t*>(par->untyped_data());
+    L.sums_in = static_cast<const uint32_t*>(sums->untyped_data());
+    L.psums_in = static_cast<const uint32_t*>(psums->untyped_data());
+    L.sums = Data<uint32_t>(*now), L.bad = Data<uint8_t>(*bad), L.bad_par = Data<uint8_t>(*bad_par);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace pimlayers
