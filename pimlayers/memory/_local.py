@@ -8,7 +8,8 @@ leaf where it lies. Per leaf, one device keeps:
 - ``psums``  uint32 (groups, 2): the checksum of each parity block, so a flipped parity bit is found
   and refreshed rather than used to "repair" good data.
 
-All three are written together by ``ops.bank_guard`` in one read of the leaf (encode on write).
+All three are written together by ``ops.bank_guard`` in one read of the leaf (encode on write);
+``encode_leaves`` and ``check_leaves`` do every leaf of a device in one call.
 
 Stripe and group counts are per leaf; the fault tables of a leaf are boolean masks of those lengths.
 """
@@ -31,18 +32,24 @@ class LeafGuard(NamedTuple):
     psums: jax.Array
 
 
-def encode_leaf(x, geo: BankGeometry) -> LeafGuard:
-    """Checksums, parity and parity checksums of x: one read of x (``ops.bank_guard``)."""
-    return LeafGuard(*ops.bank_guard(x, bank_bytes=geo.stripe_bytes, group=geo.group, parity_sums=True))
+def encode_leaves(leaves, geo: BankGeometry) -> tuple[LeafGuard, ...]:
+    """Checksums, parity and parity checksums of every leaf, in one read of each and one call
+    (``ops.bank_guard_many``: one kernel launch on a GPU)."""
+    out = ops.bank_guard_many(list(leaves), bank_bytes=geo.stripe_bytes, group=geo.group)
+    return tuple(LeafGuard(*g) for g in out)
 
 
-def check_leaf(x, guard: LeafGuard, geo: BankGeometry) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(x's checksums now, faulty stripes, faulty parity blocks): one read of x and of its parity."""
-    s = geo.stripe_bytes
-    now = ops.bank_checksums(x, bank_bytes=s)
-    bad = jnp.any(now != guard.sums, axis=-1)
-    bad_par = jnp.any(ops.bank_checksums(guard.parity, bank_bytes=s) != guard.psums, axis=-1)
-    return now, bad, bad_par
+def check_leaves(leaves, guards, geo: BankGeometry) -> tuple[list[tuple[jax.Array, ...]], jax.Array]:
+    """Per leaf (its checksums now, faulty stripes, faulty parity blocks), and the int32 count of
+    faulty stripes and parity blocks over all leaves: one read of every leaf and of its parity, in
+    one call (``ops.bank_verify_many``)."""
+    v = ops.bank_verify_many(
+        list(leaves),
+        [(g.sums, g.parity, g.psums) for g in guards],
+        bank_bytes=geo.stripe_bytes,
+        group=geo.group,
+    )
+    return list(zip(v.now, v.bad, v.bad_parity, strict=True)), v.count
 
 
 def _per_group(mask, ngroups: int, group: int):

@@ -282,7 +282,7 @@ class PimStore:
         bank_tables = (tuple(self._stripe_bank), tuple(self._parity_bank))
 
         def enc_local(leaves):
-            guards = tuple(_local.encode_leaf(x, geo) for x in leaves)
+            guards = _local.encode_leaves(leaves, geo)
             if a < 2:
                 xs = tuple(jnp.zeros((0,), jnp.uint8) for _ in leaves)
             else:
@@ -303,8 +303,7 @@ class PimStore:
         def scrub_local(leaves, state, tables):
             stripe_bank, parity_bank = tables
             guards = drop(state.guards)
-            checks = [_local.check_leaf(x, gd, geo) for x, gd in zip(leaves, guards, strict=True)]
-            faulty = sum(jnp.sum(c[1], dtype=jnp.int32) + jnp.sum(c[2], dtype=jnp.int32) for c in checks)
+            checks, faulty = _local.check_leaves(leaves, guards, geo)
 
             def table(_):  # scatter-adds per leaf: run only when something is faulty
                 counts = jnp.zeros((nb,), jnp.int32)
