@@ -122,6 +122,25 @@ def run(size_mb: int = 1024) -> list[dict]:
         )
     )
 
+    # bank_guard_many on the same one array: the register-resident kernel the store uses (one CTA
+    # per parity group, no shared-memory staging) against bank_guard's own kernel.
+    many = jax.jit(lambda a: ops.bank_guard_many([a], bank_bytes=4096, group=8, impl="native")[0])
+    for got, want in zip(many(x32), fused(x32), strict=True):
+        _check("bank_guard_many", got, want)
+    t_m = time_fn(many, x32)
+    rows.append(
+        dict(
+            op="bank_guard_many, one array, bank=4096 G=8",
+            mbytes=size_mb,
+            ms=t_m * 1e3,
+            gbs=pb / t_m / 1e9,
+            peer="bank_guard (native)",
+            peer_ms=t_n * 1e3,
+            ratio=t_n / t_m,
+            copy_fraction=(pb / t_m / 1e9) / copy_gbs,
+        )
+    )
+
     # abft_check on a Llama-3-8B MLP output (M=8192, N=14336, f32 before rounding), and abft_finish:
     # the same check, then the gate and the cast to bf16 in the same pass (what a protected GEMM runs).
     m, n, k = (8192 if size_mb >= 512 else 512), 14336, 4096
