@@ -3,7 +3,8 @@
 A parameter pytree has many leaves (a Llama-3 layer has nine, from 8 KiB norms to 117 MB MLP
 matrices). Protecting them one op per leaf costs a kernel launch, a tail of idle SMs and a few
 small comparison kernels per leaf; these two ops take every leaf in one FFI call, which on CUDA is
-one kernel launch per 32 leaves.
+one kernel launch for all of them (H200, 36 leaves of Llama-3-8B weights: encode 1.7x and the
+scrub's check 1.9x faster than one op per leaf, docs/gpu-tests.md).
 
 - ``bank_guard_many(xs)`` → per leaf ``(sums, parity, psums)``, bit-exact with
   ``bank_guard(x, parity_sums=True)`` of each leaf alone.
