@@ -15,6 +15,8 @@ def test_cpu_handlers_loaded_with_every_op():
         "pimlayers_bank_checksums",
         "pimlayers_parity",
         "pimlayers_bank_guard",
+        "pimlayers_bank_guard_many",
+        "pimlayers_bank_verify_many",
         "pimlayers_reconstruct",
         "pimlayers_abft_check",
         "pimlayers_abft_finish",
