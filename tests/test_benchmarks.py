@@ -1,5 +1,7 @@
 """The benchmark suites' own checks run (tiny sizes): a broken campaign must not wait for the GPU."""
 
+import pytest
+
 from benchmarks import abft_campaign
 
 
@@ -118,3 +120,28 @@ def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
     y = rows[0]
     assert y["worst_ratio"] > 1 and y["calls_over"] == 2 and y["blocks_over"] == 2
     assert all(r["worst_ratio"] < 1 and r["blocks_over"] == 0 for r in rows[1:])
+
+
+def test_device_time_finds_native_calls_moved_out_of_its_loop():
+    """The loop device_time times keeps XLA's own reductions inside (on every backend); a native call
+    that XLA moves out of the loop (XLA on the CPU does, for loop-invariant calls) is found and named,
+    once per call, so the figure is never passed off as per call."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks._harness import device_time, hoisted_native_calls, looped
+    from pimlayers import ops
+
+    xs = [jnp.arange(n, dtype=jnp.float32) for n in (3000, 5000, 7000)]
+    reduce = looped(lambda a: sum(jnp.sum(x) for x in a), fold=lambda s: s.astype(jnp.uint32))
+    assert hoisted_native_calls(reduce.lower(xs).compile().as_text()) == []
+    per_leaf = looped(lambda a: [ops.bank_guard(x, parity_sums=True, impl="native") for x in a])
+    moved = hoisted_native_calls(per_leaf.lower(xs).compile().as_text())
+    if jax.default_backend() == "cpu":
+        assert moved == ["pimlayers_bank_guard"] * 3
+        with pytest.warns(
+            RuntimeWarning, match=r"moved \['pimlayers_bank_guard_many'\] out of the timed loop"
+        ):
+            device_time(lambda a: ops.bank_guard_many(a, impl="native"), xs, n=2)
+    else:
+        assert moved == []
