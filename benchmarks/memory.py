@@ -4,7 +4,9 @@ and the "pim" backend's banked GEMV against the plain GEMV (with the HBM-PIM tim
 Parameters are the weights of Llama-3-8B decoder layers (bf16, dim 4096, FFN 14336, 8 KV heads),
 protected with the default H200 geometry (4 KiB stripes, parity groups of 8). Peers, measured in the
 same run: the device copy (read + write every byte) and a read-only XLA reduction over the same bytes;
-the H200 datasheet's 4.8 TB/s is printed beside them.
+the H200 datasheet's 4.8 TB/s is printed beside them. Copy, read, encode, scrub and update are timed
+as device time (`_harness.device_time` / `carried_time`: calls in one jitted loop), as a training
+step pays them; `call_ms` adds one call from Python, dispatch included.
 """
 
 from __future__ import annotations

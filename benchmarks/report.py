@@ -42,7 +42,13 @@ Reading the memory table: the parameters are four Llama-3-8B decoder layers' wei
 in a `PimStore` with the H200 geometry (4 KiB stripes, parity groups of 8). `vs_copy`, `vs_read` and
 `vs_datasheet` relate the scrub's bandwidth to the device copy (read + write) and to a read-only XLA
 reduction over the same bytes, both measured in the same run, and to the H200's 4.8 TB/s.
-`vs_one_read` / `extra_reads` express encode's cost in units of that one read. "train step + scrub"
+`vs_one_read` / `extra_reads` express encode's cost in units of that one read. From 2026-12-01 the
+copy, read, encode, scrub and update rows are device time (10 calls in one jitted loop: the host's
+dispatch of a 36-leaf call is out; `call_ms` is one call from Python with it), and the "one ... per
+leaf" rows time the previous per-leaf path in the same run; earlier tables timed single calls with
+their dispatch. "update + encode" carries the parameters through the loop and writes the protection
+data as a fresh output each step, as a jitted training step does; "(state carried)" carries it too.
+"train step + scrub"
 times ten steps (fwd+bwd through the MLP weights, M = 4096) with a scrub dispatched after every step
 or every tenth, against the steps alone. The gemv rows run distinct weight copies (>= 512 MB in all,
 at most 64) per program (as decoding walks through layers) and give the time per GEMV; `ratio` =
