@@ -24,24 +24,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Int32, UInt32
 
 from ._checksum import bank_checksums_reference, num_banks
 from ._common import check_bank_bytes, check_byte_addressable
 from ._dispatch import check_impl, dispatch
+from ._guard import GuardWithParitySums as Guard3
 from ._guard import bank_guard_reference
 from ._parity import _check_group, num_groups
 
 __all__ = ["Verified", "bank_guard_many", "bank_guard_many_reference", "bank_verify_many",
            "bank_verify_many_reference"]  # fmt: skip
 
-Guard3 = tuple[jax.Array, jax.Array, jax.Array]  # uint32 (banks, 2), uint8 (groups, bank), uint32 (groups, 2)
-
 
 class Verified(NamedTuple):
-    now: tuple[jax.Array, ...]  # uint32 (banks, 2) per leaf: its checksums as read now
-    bad: tuple[jax.Array, ...]  # bool (banks,) per leaf: checksum differs from the stored one
-    bad_parity: tuple[jax.Array, ...]  # bool (groups,) per leaf: parity row's checksum differs
-    count: jax.Array  # int32 (): true entries of every mask
+    now: tuple[UInt32[Array, "banks 2"], ...]  # per leaf: its checksums as read now
+    bad: tuple[Bool[Array, " banks"], ...]  # per leaf: checksum differs from the stored one
+    bad_parity: tuple[Bool[Array, " groups"], ...]  # per leaf: parity row's checksum differs
+    count: Int32[Array, ""]  # true entries of every mask
 
 
 def _check(op: str, xs, bank_bytes, group, impl) -> tuple[list, int, int]:
