@@ -21,6 +21,21 @@ def _check(name, a, b):
         raise AssertionError(f"{name}: native and reference disagree; not timing a wrong kernel")
 
 
+def _row(op: str, mbytes, moved: int, t: float, peer: str, t_peer: float, copy_gbs: float) -> dict:
+    """One bandwidth row: ``moved`` bytes in ``t`` seconds against ``peer`` in ``t_peer``."""
+    gbs = moved / t / 1e9
+    return dict(
+        op=op,
+        mbytes=mbytes,
+        ms=t * 1e3,
+        gbs=gbs,
+        peer=peer,
+        peer_ms=t_peer * 1e3,
+        ratio=t_peer / t,
+        copy_fraction=gbs / copy_gbs,
+    )
+
+
 def run(size_mb: int = 1024) -> list[dict]:
     dev = jax.devices()[0]
     rows: list[dict] = []
@@ -45,18 +60,7 @@ def run(size_mb: int = 1024) -> list[dict]:
         ref = jax.jit(lambda a, b=bank: ops.bank_checksums(a, bank_bytes=b, impl="reference"))
         _check("bank_checksums", nat(x32), ref(x32))
         t_n, t_r = time_fn(nat, x32), time_fn(ref, x32)
-        rows.append(
-            dict(
-                op=f"bank_checksums bank={bank}",
-                mbytes=size_mb,
-                ms=t_n * 1e3,
-                gbs=nbytes / t_n / 1e9,
-                peer="XLA reference",
-                peer_ms=t_r * 1e3,
-                ratio=t_r / t_n,
-                copy_fraction=(nbytes / t_n / 1e9) / copy_gbs,
-            )
-        )
+        rows.append(_row(f"bank_checksums bank={bank}", size_mb, nbytes, t_n, "XLA reference", t_r, copy_gbs))
 
     for dtype in (jnp.float32, jnp.bfloat16):
         x = x32.astype(dtype).at[::97, 5].set(jnp.nan)
@@ -65,36 +69,15 @@ def run(size_mb: int = 1024) -> list[dict]:
         ref = jax.jit(lambda a: ops.gate(a, limit=1e4, impl="reference"))
         _check("gate", nat(x)[0], ref(x)[0])
         t_n, t_r = time_fn(nat, x), time_fn(ref, x)
-        rows.append(
-            dict(
-                op=f"gate {jnp.dtype(dtype).name}",
-                mbytes=nb >> 20,
-                ms=t_n * 1e3,
-                gbs=2 * nb / t_n / 1e9,
-                peer="XLA fused where+sum",
-                peer_ms=t_r * 1e3,
-                ratio=t_r / t_n,
-                copy_fraction=(2 * nb / t_n / 1e9) / copy_gbs,
-            )
-        )
+        name = f"gate {jnp.dtype(dtype).name}"
+        rows.append(_row(name, nb >> 20, 2 * nb, t_n, "XLA fused where+sum", t_r, copy_gbs))
 
     nat = jax.jit(lambda a: ops.parity(a, bank_bytes=4096, group=8, impl="native"))
     ref = jax.jit(lambda a: ops.parity(a, bank_bytes=4096, group=8, impl="reference"))
     _check("parity", nat(x32), ref(x32))
     t_n, t_r = time_fn(nat, x32), time_fn(ref, x32)
     pb = nbytes * 9 // 8
-    rows.append(
-        dict(
-            op="parity bank=4096 G=8",
-            mbytes=size_mb,
-            ms=t_n * 1e3,
-            gbs=pb / t_n / 1e9,
-            peer="XLA reference",
-            peer_ms=t_r * 1e3,
-            ratio=t_r / t_n,
-            copy_fraction=(pb / t_n / 1e9) / copy_gbs,
-        )
-    )
+    rows.append(_row("parity bank=4096 G=8", size_mb, pb, t_n, "XLA reference", t_r, copy_gbs))
 
     # bank_guard: what encode-on-write stores (checksums, parity, parity checksums) in one read of x,
     # against the three native ops run separately (two reads of x), as the store did before.
@@ -109,18 +92,8 @@ def run(size_mb: int = 1024) -> list[dict]:
     for got, want in zip(fused(x32), separate(x32), strict=True):
         _check("bank_guard", got, want)
     t_n, t_r = time_fn(fused, x32), time_fn(separate, x32)
-    rows.append(
-        dict(
-            op="bank_guard bank=4096 G=8 (+parity sums)",
-            mbytes=size_mb,
-            ms=t_n * 1e3,
-            gbs=pb / t_n / 1e9,
-            peer="bank_checksums + parity (native, separate)",
-            peer_ms=t_r * 1e3,
-            ratio=t_r / t_n,
-            copy_fraction=(pb / t_n / 1e9) / copy_gbs,
-        )
-    )
+    peer = "bank_checksums + parity (native, separate)"
+    rows.append(_row("bank_guard bank=4096 G=8 (+parity sums)", size_mb, pb, t_n, peer, t_r, copy_gbs))
 
     # bank_guard_many on the same one array: the register-resident kernel the store uses (one CTA
     # per parity group, no shared-memory staging) against bank_guard's own kernel.
@@ -128,18 +101,8 @@ def run(size_mb: int = 1024) -> list[dict]:
     for got, want in zip(many(x32), fused(x32), strict=True):
         _check("bank_guard_many", got, want)
     t_m = time_fn(many, x32)
-    rows.append(
-        dict(
-            op="bank_guard_many, one array, bank=4096 G=8",
-            mbytes=size_mb,
-            ms=t_m * 1e3,
-            gbs=pb / t_m / 1e9,
-            peer="bank_guard (native)",
-            peer_ms=t_n * 1e3,
-            ratio=t_n / t_m,
-            copy_fraction=(pb / t_m / 1e9) / copy_gbs,
-        )
-    )
+    op = "bank_guard_many, one array, bank=4096 G=8"
+    rows.append(_row(op, size_mb, pb, t_m, "bank_guard (native)", t_n, copy_gbs))
 
     # abft_check on a Llama-3-8B MLP output (M=8192, N=14336, f32 before rounding), and abft_finish:
     # the same check, then the gate and the cast to bf16 in the same pass (what a protected GEMM runs).
@@ -168,16 +131,6 @@ def run(size_mb: int = 1024) -> list[dict]:
             _check(f"{name} flags", nat(y, c, mag)[1], ref(y, c, mag)[1])
             t_n, t_r = time_fn(nat, y, c, mag), time_fn(ref, y, c, mag)
             ab = y.size * bytes_per
-            rows.append(
-                dict(
-                    op=f"{name} {m}x{n} block_n={block_n}",
-                    mbytes=ab >> 20,
-                    ms=t_n * 1e3,
-                    gbs=ab / t_n / 1e9,
-                    peer="XLA reference",
-                    peer_ms=t_r * 1e3,
-                    ratio=t_r / t_n,
-                    copy_fraction=(ab / t_n / 1e9) / copy_gbs,
-                )
-            )
+            op = f"{name} {m}x{n} block_n={block_n}"
+            rows.append(_row(op, ab >> 20, ab, t_n, "XLA reference", t_r, copy_gbs))
     return rows
