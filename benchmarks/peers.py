@@ -7,7 +7,11 @@ replace. This suite times, side by side on one GPU (Hopper only; nothing to run 
 - GEMM, M = 8192 bf16 at the Llama-3-8B shapes: XLA (cuBLAS) against JAX's Pallas Mosaic-GPU Hopper
   matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``), best of a small tuning grid;
 - causal GQA attention, B = 1, T = 8192, 32/8 heads, D = 128 bf16: cuDNN flash attention against
-  Pallas's Mosaic-GPU flash attention (``attention_mgpu``) and XLA's materialised attention.
+  Pallas's Mosaic-GPU flash attention (``attention_mgpu``), XLA's materialised attention, and
+  pimlayers' own: ``ops.flash_attention`` with its in-kernel checks (and without, the same kernel's
+  cost without them), and the protected attention core (``layers.attention_core``: the verified
+  kernel forward, or the verified materialised path with ``flash=False``) — goal 2 of the
+  performance issue, protected attention at >= 0.93x cuDNN.
 
 Every kernel's output is checked against XLA's before it is timed.
 """
@@ -88,6 +92,9 @@ def run_gemm(m: int = 8192, shapes=SHAPES) -> list[dict]:
 def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["d"]) -> list[dict]:
     from jax.experimental.pallas.ops.gpu import attention_mgpu as am
 
+    from pimlayers import layers, ops
+    from pimlayers.faults import FaultPolicy
+
     ks = jax.random.split(jax.random.key(1), 4)
     mk = lambda key, heads: jax.random.normal(key, (b, t, heads, d), jnp.float32).astype(jnp.bfloat16)
     q, k, v, g = mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv), mk(ks[3], h)
@@ -97,12 +104,24 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
             jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"
         ),
         # jax 0.11.2's kernel fails on bf16 inputs (an f16 staging buffer), so it gets f16 copies of
-        # the same values (made before timing): same tensor-core rate.
+        # the same values (made before timing, q scaled by 1/sqrt(D): the kernel has no softmax
+        # scale): same tensor-core rate.
         "Pallas Mosaic-GPU flash attention (f16)": functools.partial(am.attention, config=cfg),
         "XLA attention (materialised)": functools.partial(
             jax.nn.dot_product_attention, is_causal=True, implementation="xla"
         ),
+        "pimlayers flash_attention, checks off": lambda q, k, v: ops.flash_attention(q, k, v, checks=False)[
+            0
+        ],
+        "pimlayers flash_attention, verified": lambda q, k, v: ops.flash_attention(q, k, v),
+        "pimlayers attention_core, protected (flash)": lambda q, k, v: layers.attention_core(
+            q, k, v, policy=FaultPolicy()
+        )[0],
+        "pimlayers attention_core, protected (materialised)": lambda q, k, v: layers.attention_core(
+            q, k, v, policy=FaultPolicy(), flash=False
+        )[0],
     }
+    first = lambda out: out[0] if isinstance(out, tuple) else out
     ref = np.asarray(jax.jit(fns["XLA attention (materialised)"])(q, k, v), np.float32)
     flops = 4.0 * b * h * t * t * d / 2  # causal: half of the two GEMMs
     shape = f"B={b} T={t} H={h} KV={kv} D={d} bfloat16"
@@ -111,11 +130,17 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
     wrong: set[str] = set()
     for mode in ("fwd", "fwd+bwd"):
         for name, f in fns.items():
-            qkv = tuple(a.astype(jnp.float16) for a in (q, k, v)) if "(f16)" in name else (q, k, v)
+            qkv = (q, k, v)
+            if "(f16)" in name:
+                # attention_mgpu applies no softmax scale: q comes pre-scaled by 1/sqrt(D) (f32, then f16).
+                q16 = (q.astype(jnp.float32) * (1.0 / np.sqrt(d))).astype(jnp.float16)
+                qkv = (q16, k.astype(jnp.float16), v.astype(jnp.float16))
             if mode == "fwd":
                 fn, args = jax.jit(f), qkv
+            elif name == "pimlayers flash_attention, verified" or "checks off" in name:
+                continue  # the kernel alone has no backward; attention_core's rows time it
             else:
-                loss = lambda q, k, v, g, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+                loss = lambda q, k, v, g, f=f: jnp.sum(first(f(q, k, v)).astype(jnp.float32) * g)
                 fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                 args = (*qkv, g)
             try:
@@ -123,11 +148,11 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
                     raise ValueError("its forward output failed validation: not timed")
                 out = fn(*args)
                 if mode == "fwd":
-                    err = float(np.max(np.abs(np.asarray(out, np.float32) - ref)))
+                    err = float(np.max(np.abs(np.asarray(first(out), np.float32) - ref)))
                     if err > 0.05:  # checked before timing: a wrong kernel gets an error row, no time
                         wrong.add(name)
                         raise ValueError(f"output differs from XLA's: max |out - XLA| = {err:.3g}")
-                s = time_fn(fn, *args, warmup=2, iters=5, repeats=5)
+                s = time_fn(fn, *args, warmup=2, iters=10, repeats=5)
             except (NotImplementedError, ValueError) as e:  # no causal backward in Pallas; a wrong output
                 rows.append(dict(mode=mode, op=name, shape=shape, error=f"{type(e).__name__}: {e}"[:160]))
                 continue
@@ -139,7 +164,9 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
     return rows
 
 
-def run() -> list[dict]:
+def run(which: str = "all") -> list[dict]:
     if not _hopper():
         return []
-    return run_gemm() + run_attention()
+    return (run_gemm() if which in ("all", "gemm") else []) + (
+        run_attention() if which in ("all", "attention") else []
+    )

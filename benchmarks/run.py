@@ -9,6 +9,7 @@ python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims t
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
+python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
 """
 
@@ -55,6 +56,9 @@ def main() -> None:
     ap.add_argument(
         "--shapes", choices=["llama", "small"], default="llama", help="matmul: Llama-3-8B or small"
     )
+    ap.add_argument(
+        "--peers", choices=["all", "gemm", "attention"], default="all", help="peers: which kernels to time"
+    )
     args = ap.parse_args()
     print(f"device: {device_name()}")
     shapes = matmul.SHAPES if args.shapes == "llama" else matmul.SMALL_SHAPES
@@ -76,7 +80,7 @@ def main() -> None:
         ("routing", routing.run_local),
         ("routing-sim", routing.run_sim),
         ("routing-multi", routing.run_multi),
-        ("peers", peers.run),
+        ("peers", lambda: peers.run(args.peers)),
         (
             "llama3",
             lambda: llama3.run(layers=args.layers, steps=args.steps, devices=args.devices, fused=args.fused),

@@ -3,10 +3,17 @@
 The core's two products — scores = q·kᵀ and out = p·v — are checked like any GEMM
 (:func:`pimlayers.ops.protected_bmm`, checksum columns of k and v encoded on the fly), one GEMM per
 (batch, KV head) with that head's query group stacked into its rows. The softmax runs in float32.
+
+On a Hopper GPU, with protection on and the shapes the kernel takes (bf16, queries at the keys'
+positions, no mask or partly filled cache), the forward pass instead runs
+:func:`pimlayers.ops.flash_attention`: flash attention with both GEMMs' checksums verified inside the
+kernel, the scores never materialised; a detected fault reruns the kernel. Its backward pass is the
+verified materialised path's (recomputed from q, k, v).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -17,8 +24,17 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ..faults import FaultPolicy, FaultReport
-from ..ops import protected_bmm
+from ..faults import FaultPolicy, FaultReport, GemmFaults
+from ..ops import (
+    FlashFaults,
+    flash_attention,
+    flash_attention_reference,
+    flash_supported,
+    gate,
+    protected_bmm,
+    zero_tap,
+)
+from ..ops._fused_gemm import hopper
 from ._common import check_features, policy_or_default, stock
 from .linear import linear
 from .rope import apply_rope
@@ -60,6 +76,7 @@ def attention_core(
     policy: FaultPolicy | None = None,
     faults: Mapping[str, object] | None = None,
     tap: jax.Array | None = None,
+    flash: bool | None = None,
     name: str = "pimlayers.attention",
 ) -> tuple[Float[Array, "b t h d"], FaultReport]:
     """softmax(q·kᵀ·scale + mask)·v with H query heads sharing KV heads in groups of H/KV.
@@ -67,6 +84,12 @@ def attention_core(
     Key s is visible to query t when ``s <= q_positions[t]`` (causal) and ``s < kv_length`` (a
     partly filled cache) and ``mask`` (broadcastable to (B, H, T, S); True = visible) allows it.
     Default positions: queries are the last T of the S keys.
+
+    ``flash``: None takes the verified flash kernel's forward where it applies (module docstring)
+    and the arrays are one device's (a single device, or inside a ``shard_map`` over every mesh
+    axis: XLA cannot partition the kernel, and would gather sharded inputs to every device); False
+    never; True requires it (ValueError naming what stands in the way) and, off a Hopper GPU, runs
+    the kernel's XLA reference through the same checks, recompute and report (for tests).
     """
     policy = policy_or_default(policy)
     faults = dict(faults or {})
@@ -82,6 +105,12 @@ def attention_core(
         raise TypeError(f"{name}: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; expected one dtype")
     g = h // kvh
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    why_not = _flash_obstacle(q, k, policy, q_positions, kv_length, mask, causal)
+    if flash and why_not:
+        raise ValueError(f"{name}: flash=True, but {why_not}")
+    if flash or (flash is None and not why_not and hopper() and _per_device()):
+        with jax.named_scope(name):
+            return _flash_core(q, k, v, faults, tap, scale, causal, policy, not hopper())
     if q_positions is None:
         q_positions = jnp.broadcast_to(jnp.arange(s - t, s, dtype=jnp.int32), (b, t))
     with jax.named_scope(name):
@@ -116,6 +145,152 @@ def attention_core(
             o, r2 = protected_bmm(p, vv, policy=policy, faults=faults.get("pv"), tap=tap)
         out = o.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     return out, r1 + r2
+
+
+def _per_device() -> bool:
+    """Whether arrays here are one device's: a single device, or inside shard_map over every axis."""
+    if jax.device_count() == 1:
+        return True
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
+
+
+def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, causal: bool) -> str:
+    """Why the flash path does not apply ("" when it does)."""
+    if not policy.enabled:
+        return f"protection is off (mode {policy.mode!r}): the flash kernel's checks are its protection"
+    if q_positions is not None or kv_length is not None or mask is not None:
+        return (
+            "q_positions, kv_length and mask must be None (queries at the keys' positions, no cache or mask)"
+        )
+    if q.dtype != jnp.bfloat16:
+        return f"q has dtype {q.dtype}; the kernel's checksums are bf16"
+    if not flash_supported(q.shape, k.shape, q.dtype, causal):
+        return (
+            f"q {q.shape}, k {k.shape} (causal={causal}) are outside the kernel's shapes "
+            "(D a multiple of 64 up to 256, T a multiple of 128, S of 128, T == S when causal)"
+        )
+    return ""
+
+
+def _split_faults(f) -> tuple[GemmFaults | None, tuple | None]:
+    """A GEMM's faults as (forward, backward-only): a tuple's first entry is the forward's."""
+    if f is None or isinstance(f, GemmFaults):
+        return f, None
+    return f[0], (None, *f[1:])
+
+
+def _flash_faults(scores: GemmFaults | None, pv: GemmFaults | None, b: int, h: int, t: int, kvh: int):
+    """The materialised path's fault sites (rows of the (B·KV·g·T, ·) GEMM outputs) as the kernel's
+    per-row flips; one site per row and GEMM (a later active site in the same row wins)."""
+    if scores is None and pv is None:
+        return None
+    g = h // kvh
+    ff = FlashFaults.none(b, h, t)
+
+    def scatter(bits, cols, f: GemmFaults):
+        r = f.rows
+        bi, hi, ti = r // (kvh * g * t), (r // (g * t)) % kvh * g + (r // t) % g, r % t
+        bi = jnp.where(f.active, bi, b)  # inactive sites fall outside and are dropped
+        return (
+            bits.at[bi, hi, ti].set(f.bits, mode="drop"),
+            cols.at[bi, hi, ti].set(f.cols, mode="drop"),
+        )
+
+    sb, sk, ob, oc = ff
+    if scores is not None:
+        sb, sk = scatter(sb, sk, scores)
+    if pv is not None:
+        ob, oc = scatter(ob, oc, pv)
+    return FlashFaults(sb, sk, ob, oc)
+
+
+def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy, reference: bool):
+    """The kernel, its checks turned into a FaultReport, and a rerun (a loop of 0 or 1 trips) when
+    any row failed and the policy corrects. Counts are per (batch, KV head) GEMM, as
+    ``protected_bmm`` counts the materialised path's."""
+    kernel = flash_attention_reference if reference else flash_attention
+    b, kvh = q.shape[0], k.shape[2]
+    out, _, ch = kernel(q, k, v, ff, causal=causal, scale=scale, lam=policy.lam)
+
+    def groups(ch):  # (2, B, KV): which GEMMs (scores, out) of each group had a failing row
+        bad = jnp.stack([~(ch.scores <= 1.0), ~(ch.out <= 1.0)])  # NaN counts as failing
+        return jnp.any(bad.reshape(2, b, kvh, -1), axis=-1)
+
+    bad = groups(ch)
+    detected = jnp.sum(bad, dtype=jnp.int32)
+    n = 2 * b * kvh
+    if not (policy.corrects and policy.recompute):
+        return out, FaultReport(gemm_checked=n, gemm_detected=detected, gemm_uncorrectable=detected)
+
+    def redo(carry):
+        # The barrier keeps XLA from reusing the first call's results: a real rerun, fault-free
+        # (injected faults model transient errors).
+        q2, k2, v2 = lax.optimization_barrier((q, k, v))
+        out2, _, ch2 = kernel(q2, k2, v2, causal=causal, scale=scale, lam=policy.lam)
+        still = groups(ch2)
+        gated = jnp.int32(0)
+        if policy.gate:
+            out2, counts = gate(out2, fill=policy.gate_fill, limit=policy.gate_limit)
+            gated = jnp.sum(counts, dtype=jnp.int32)
+        return out2, jnp.sum(still, dtype=jnp.int32), gated, jnp.int32(n), jnp.bool_(False)
+
+    init = (out, detected, jnp.int32(0), jnp.int32(0), detected > 0)
+    out, still, gated, recomputed, _ = lax.while_loop(lambda c: c[-1], redo, init)
+    return out, FaultReport(
+        gemm_checked=n,
+        gemm_detected=detected,
+        gemm_corrected=detected - still,
+        gemm_recomputed=recomputed,
+        gemm_uncorrectable=still,
+        nonfinite_gated=gated,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash_vjp(q, k, v, ff, bwd_faults, tap, scale, causal, policy, reference):
+    del bwd_faults, tap
+    return _flash_forward(q, k, v, ff, scale, causal, policy, reference)
+
+
+def _flash_vjp_fwd(q, k, v, ff, bwd_faults, tap, scale, causal, policy, reference):
+    return _flash_vjp(q, k, v, ff, bwd_faults, tap, scale, causal, policy, reference), (
+        q,
+        k,
+        v,
+        ff,
+        bwd_faults,
+        tap,
+    )
+
+
+def _flash_vjp_bwd(scale, causal, policy, reference, res, cts):
+    q, k, v, ff, bwd_faults, tap = res
+    dout, _ = cts
+
+    def core(q, k, v, tap):  # the verified materialised path; its report travels in tap's gradient
+        return attention_core(
+            q, k, v, causal=causal, scale=scale, policy=policy, faults=bwd_faults, tap=tap, flash=False
+        )[0]
+
+    _, vjp = jax.vjp(core, q, k, v, tap)
+    dq, dk, dv, dtap = vjp(dout.astype(q.dtype))
+    zero = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+    return dq, dk, dv, zero(ff), zero(bwd_faults), dtap
+
+
+_flash_vjp.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
+
+
+def _flash_core(q, k, v, faults, tap, scale: float, causal: bool, policy: FaultPolicy, reference: bool):
+    b, t, h, _ = q.shape
+    kvh = k.shape[2]
+    f_scores, b_scores = _split_faults(faults.get("scores"))
+    f_pv, b_pv = _split_faults(faults.get("pv"))
+    ff = _flash_faults(f_scores, f_pv, b, h, t, kvh)
+    bwd = {name: f for name, f in (("scores", b_scores), ("pv", b_pv)) if f is not None}
+    tap = zero_tap() if tap is None else tap
+    return _flash_vjp(q, k, v, ff, bwd, tap, scale, causal, policy, reference)
 
 
 def gqa_attention(
@@ -170,8 +345,12 @@ def gqa_attention(
         k = k.reshape(b, t, num_kv_heads, head_dim)
         v = v.reshape(b, t, num_kv_heads, head_dim)
         start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        # Without a cache or given positions the queries sit at the keys' positions, which is the
+        # core's default: it may then take the flash kernel.
+        default_positions = positions is None and cache is None
         if positions is None:
             positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        q_positions = None if default_positions else positions
         if inv_freq is not None:
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         kv_length = None
@@ -189,7 +368,7 @@ def gqa_attention(
             q,
             k,
             v,
-            q_positions=positions,
+            q_positions=q_positions,
             kv_length=kv_length,
             causal=causal,
             policy=policy,

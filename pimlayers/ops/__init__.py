@@ -1,6 +1,6 @@
 """Native ops with pure-JAX twins: the insulation gate, bank checksums, parity (and both in one read:
 bank_guard; for many arrays in one call: bank_guard_many, and their check: bank_verify_many), ABFT
-checks, the banked (PIM) GEMV."""
+checks, the banked (PIM) GEMV; flash attention with its two GEMMs verified inside the kernel (Hopper)."""
 
 from ._abft import ABFT_CLEAN as ABFT_CLEAN
 from ._abft import ABFT_CORRECTED as ABFT_CORRECTED
@@ -16,6 +16,12 @@ from ._abft import abft_finish_reference as abft_finish_reference
 from ._checksum import bank_checksums as bank_checksums
 from ._checksum import bank_checksums_reference as bank_checksums_reference
 from ._checksum import num_banks as num_banks
+from ._flash import FlashChecks as FlashChecks
+from ._flash import FlashConfig as FlashConfig
+from ._flash import FlashFaults as FlashFaults
+from ._flash import flash_attention as flash_attention
+from ._flash import flash_attention_reference as flash_attention_reference
+from ._flash import flash_supported as flash_supported
 from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
 from ._guard import bank_guard as bank_guard

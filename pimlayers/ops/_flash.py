@@ -1,0 +1,649 @@
+"""flash_attention: causal GQA flash attention on Hopper with both GEMMs verified inside the kernel.
+
+The kernel is FlashAttention-3's schedule as JAX ships it for Mosaic GPU
+(``jax.experimental.pallas.ops.gpu.attention_mgpu``: one TMA warpgroup streams K and V blocks, two
+compute warpgroups each own 64 query rows, online softmax in f32) with checksums of its two GEMMs
+verified per query row, EFTA-style (Xu et al., "EFTA: efficient fault-tolerant attention"):
+
+* scores S = q·kᵀ, per key block j of ``block_kv`` keys: the row sums of the f32 accumulator are
+  compared with q·ksum_j, where ksum_j = sum of the block's key rows. q·ksum_j comes from a second
+  tensor-core product of the same q tile with an 8-row tile [hi(ksum_j), lo(ksum_j), 0 x 6] (the
+  smallest wgmma N; hi + lo is ksum_j to 2^-18 relative), issued beside the scores' own.
+* out = p·v: each step also multiplies the bf16 probabilities by [hi(vsum), lo(vsum), 0 x 6]ᵀ (vsum
+  = each key's value row summed over D) into a small accumulator rescaled with the output's; at the
+  end the output accumulator's row sums must equal it.
+
+Both comparisons use a rounding-error bound (``lam`` as in :class:`pimlayers.FaultPolicy`):
+
+    scores: |rowsum(S_j) - q·ksum_j| <= u (lam (2 sqrt(D) + sqrt(block_kv) + 2) + 64) |q|·kmax
+    out:    |rowsum(acc) - p·vsum|    <= u (lam (sqrt(S) + sqrt(D) + 2) + 64 + 2 S/block_kv) l vmax
+
+with kmax = elementwise max over blocks of sum |k rows| (so one bound per row serves every block),
+vmax = max over keys of sum_d |v|, l = the softmax's running sum (sum_j p <= l (1 + 2^-8)); the 64
+covers the hi/lo split of the checksums, the last term the output's per-step rescaling. The kernel
+writes, per query row, the worse ratio |difference| / bound of each check (NaN or Inf counts as
+infinitely bad); a row above 1 was hit by a fault. :func:`pimlayers.ops.protected_flash_attention`
+turns that into a recompute and a FaultReport.
+
+Fault injection (tests, benchmarks): per query row, one bit of one scores value (at a key) and one
+of one output accumulator value (at a column, after the last step) can be flipped inside the kernel,
+as a transient error in the matrix unit's accumulator would appear, before the checks.
+
+Hopper (sm_90) only: bf16 or f16, D a multiple of 64, T a multiple of 2 x block_q, S of block_kv,
+causal only with T == S (queries at the keys' positions). ``flash_supported`` says when. Reference:
+``flash_attention_reference`` (the same quantities from XLA, scores materialised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int32
+
+from ._abft import _bf16_head
+from ._fused_gemm import hopper
+
+__all__ = [
+    "FlashChecks",
+    "FlashConfig",
+    "FlashFaults",
+    "flash_attention",
+    "flash_attention_reference",
+    "flash_bounds",
+    "flash_supported",
+]
+
+CS = 8  # rows of a checksum tile: hi, lo and six zero rows (wgmma's smallest N)
+_BAD = 3.0e38  # the ratio written for a difference that is NaN/Inf or beyond any bound
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tiling: each compute warpgroup owns ``block_q`` query rows (a CTA two of them), each step
+    reads ``block_kv`` keys; ``stages`` K/V buffers in flight. jax's own tuning for the forward at
+    D = 128 (attention_mgpu's benchmark) is 64 / 128 / 2."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    # q·ksum from the scores' own wgmma (the key tile extended by the checksum tile's 8 rows, N =
+    # block_kv + 8) instead of a second wgmma with N = 8.
+    fuse_e: bool = True
+
+
+class FlashChecks(NamedTuple):
+    """Per query row, |checksum difference| / bound of each of the two GEMMs (> 1: a fault)."""
+
+    scores: Float[Array, "b h t"]
+    out: Float[Array, "b h t"]
+
+
+class FlashFaults(NamedTuple):
+    """In-kernel bit flips, one candidate per (batch, head, query row); bit -1 flips nothing.
+
+    ``score_bit`` of S[t, ``score_key``] (f32, 31 sign .. 0) and ``out_bit`` of the output
+    accumulator at column ``out_col`` of row t, after the last step (before the division by l)."""
+
+    score_bit: Int32[Array, "b h t"]
+    score_key: Int32[Array, "b h t"]
+    out_bit: Int32[Array, "b h t"]
+    out_col: Int32[Array, "b h t"]
+
+    @staticmethod
+    def none(b: int, h: int, t: int) -> FlashFaults:
+        z = jnp.zeros((b, h, t), jnp.int32)
+        return FlashFaults(z - 1, z, z - 1, z)
+
+
+def flash_supported(q_shape, k_shape, dtype, causal: bool, config: FlashConfig | None = None) -> bool:
+    """Whether the kernel takes these shapes and dtype (it runs on a Hopper GPU only)."""
+    cfg = config or FlashConfig()
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return False
+    b, t, h, d = q_shape
+    b2, s, kv, d2 = k_shape
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and b == b2
+        and d == d2
+        and d % 64 == 0
+        and d <= 256
+        and kv > 0
+        and h % kv == 0
+        and t % (2 * cfg.block_q) == 0
+        and s % cfg.block_kv == 0
+        and t > 0
+        and (not causal or t == s)
+    )
+
+
+def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (f32) as hi + lo in bf16, carrying x to 2^-18 relative. The head by bit arithmetic
+    (``_abft._bf16_head``): XLA may elide ``x.astype(bf16).astype(f32)`` inside jit and make lo 0."""
+    head = _bf16_head(x)
+    return head.astype(jnp.bfloat16), (x - head).astype(jnp.bfloat16)
+
+
+def _tile(hi: jax.Array, lo: jax.Array, ones: bool = False) -> jax.Array:
+    """(..., n) hi and lo -> (..., CS, n): rows hi, lo, (ones,) then zeros."""
+    rows = [hi[..., None, :], lo[..., None, :]]
+    if ones:
+        rows.append(jnp.ones_like(hi)[..., None, :])
+    rows.append(jnp.zeros((*hi.shape[:-1], CS - len(rows), hi.shape[-1]), hi.dtype))
+    return jnp.concatenate(rows, axis=-2)
+
+
+def flash_bounds(q, k, v, *, lam: float, config: FlashConfig | None = None):
+    """The checksum tiles and per-row bounds the kernel reads, from XLA (all small next to q, k, v).
+
+    Returns ``(ks, vs, tol_scores, tol_out)``: ks (B, KV, S/bk, CS, D) and vs (B, KV, S/bk, CS, bk)
+    in the operands' dtype, tol_scores (B, H, T) f32 (the scores bound itself) and tol_out (B, H, T)
+    f32 (the output bound's factor: times l in the kernel).
+    """
+    cfg = config or FlashConfig()
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    nb, bk, g = s // cfg.block_kv, cfg.block_kv, h // kvh
+    u = 2.0**-24
+    kf = k.astype(jnp.float32).reshape(b, nb, bk, kvh, d)
+    vf = v.astype(jnp.float32)
+    # The sums, materialised before the tiles are built: fused into the tiles' concatenation, XLA
+    # recomputed the value sums per output element (0.115 ms on an H200 at T = 8192, 8 KV heads).
+    ksum, kabs, vsum, vabs = lax.optimization_barrier(
+        (
+            jnp.sum(kf, axis=2),
+            jnp.sum(jnp.abs(kf), axis=2),
+            jnp.sum(vf, axis=-1),
+            jnp.sum(jnp.abs(vf), axis=-1),
+        )
+    )
+    ks_hi, ks_lo = _split(ksum.transpose(0, 2, 1, 3))  # (B, KV, nb, D)
+    kmax = jnp.max(kabs, axis=1)  # (B, KV, D)
+    vs_hi, vs_lo = _split(vsum.reshape(b, nb, bk, kvh).transpose(0, 3, 1, 2))  # (B, KV, nb, bk)
+    vmax = jnp.max(vabs, axis=1)  # (B, KV)
+    # |q|·kmax for every row: one small GEMV per head, f32 at HIGHEST (not TF32).
+    kmax_h = jnp.repeat(kmax, g, axis=1)  # (B, H, D)
+    mag = jnp.einsum("bthd,bhd->bht", jnp.abs(q).astype(jnp.float32), kmax_h, precision=lax.Precision.HIGHEST)
+    c_qk = u * (lam * (2 * math.sqrt(d) + math.sqrt(bk) + 2) + 64)
+    c_pv = u * (lam * (math.sqrt(s) + math.sqrt(d) + 2) + 64 + 2 * nb) * (1 + 2.0**-7)
+    tol_out = jnp.broadcast_to((c_pv * jnp.repeat(vmax, g, axis=1))[:, :, None], (b, h, t))
+    return _tile(ks_hi, ks_lo), _tile(vs_hi, vs_lo, ones=True), c_qk * mag, tol_out
+
+
+def _ratio(diff, tol):
+    # NaN/Inf differences fail the `<=` and are written as _BAD; so is anything past the bound by
+    # more than f32 can say. A zero bound (a zero row) passes only an exact zero difference.
+    a = jnp.abs(diff)
+    return jnp.where(a <= tol, a / jnp.maximum(tol, 1e-30), _BAD)
+
+
+def _flip(x, bit, sel):
+    """x with ``bit`` of its f32 pattern flipped where ``sel``."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    flipped = lax.bitcast_convert_type(bits ^ jnp.left_shift(jnp.int32(1), jnp.maximum(bit, 0)), jnp.float32)
+    return jnp.where(sel, flipped, x)
+
+
+def _load(plgpu, ref, layout):
+    """``plgpu.load`` of a whole ref: jax 0.11 takes the ref alone (an index is deprecated), 0.10
+    requires the index."""
+    try:
+        return plgpu.load(ref, layout=layout)
+    except TypeError:
+        return plgpu.load(ref, (), layout=layout)
+
+
+def _kernel_call(
+    q,
+    k,
+    v,
+    extras,
+    *,
+    causal: bool,
+    scale: float,
+    checks: bool,
+    inject: bool,
+    cfg: FlashConfig,
+):
+    """The pallas kernel. ``extras``: (ks, vs, tol_scores, tol_out) if ``checks``, then the four
+    FlashFaults arrays if ``inject``. Returns out, lse (base 2, of the scaled scores) and, with
+    checks, the two ratio rows."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    dtype = q.dtype
+    bq, bk = cfg.block_q, cfg.block_kv
+    nb = s // bk
+    stages = min(cfg.stages, nb)
+    c = float(scale) * _LOG2E  # softmax in base 2: exp(x * scale) = exp2(x * c), one FMA per value
+    n_out = 4 if checks else 2
+    fuse_e = checks and cfg.fuse_e
+    kn = bk + CS if fuse_e else bk  # rows of a key buffer: the keys, then (fused) the checksum tile
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(refs, scoped):
+        q_ref, k_ref, v_ref = refs[:3]
+        ins = refs[3 : 3 + len(extras)]
+        outs = refs[3 + len(extras) :]
+        out_ref, lse_ref = outs[:2]
+        if checks:
+            ks_ref, vs_ref = ins[:2]
+            rqk_ref, rpv_ref = outs[2:4]
+        row_in = list(ins[2:4]) if checks else []
+        if inject:
+            row_in += list(ins[4:8])
+        smem, bars, consumed, schedule_barrier = scoped
+        qo2, k_smem, v_smem, ks_smem, vs_smem, rows_f, rows_i = smem
+        k_bar, v_bar, ks_bar, vs_bar, q_bar, row_bar = bars
+        k_done, v_done = consumed
+        batch = lax.axis_index("batch")
+        q_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+
+        def schedule():
+            plgpu.barrier_arrive(schedule_barrier)
+            plgpu.barrier_wait(schedule_barrier)
+
+        if causal:
+            cta_steps = pl.cdiv((lax.axis_index("q_seq") + 1) * (2 * bq), jnp.array(bk, jnp.int32))
+        else:
+            cta_steps = nb
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo = qo2.at[wg]
+            base = lax.axis_index("q_seq") * (2 * bq) + wg * bq
+            rows = pl.ds(base, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], qo, q_bar.at[wg])
+            # Per-row inputs: the two bounds (f32), then the injection sites (int32).
+            dsts = ([rows_f.at[wg, 0], rows_f.at[wg, 1]] if checks else []) + (
+                [rows_i.at[wg, i] for i in range(4)] if inject else []
+            )
+            for i, (src, dst) in enumerate(zip(row_in, dsts, strict=True)):
+                plgpu.copy_gmem_to_smem(src.at[batch, q_head, rows], dst, row_bar.at[wg * 6 + i])
+            plgpu.barrier_wait(q_bar.at[wg])
+            for i in range(len(row_in)):
+                plgpu.barrier_wait(row_bar.at[wg * 6 + i])
+            if checks:
+                tol_qk, tol_pv = (_load(plgpu, rows_f.at[wg, i], row_layout) for i in range(2))
+            if inject:
+                sbit, skey, obit, ocol = (_load(plgpu, rows_i.at[wg, i], row_layout) for i in range(4))
+
+            def row_const(x):
+                return plgpu.layout_cast(jnp.full((bq,), x, jnp.float32), row_layout)
+
+            acc = plgpu.layout_cast(jnp.full((bq, d), 0, jnp.float32), wgmma_layout)
+            cacc = plgpu.layout_cast(jnp.full((bq, CS), 0, jnp.float32), wgmma_layout) if checks else None
+            r_qk = row_const(0.0) if checks else None
+
+            if causal:
+                steps = pl.cdiv(base + bq, jnp.array(bk, jnp.int32))
+
+                @pl.when(steps > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[0])
+            else:
+                steps = nb
+                plgpu.barrier_wait(k_bar.at[0])
+
+            pl.when(wg == 1)(schedule)
+
+            def step(kv, carry, masked: bool = False):
+                acc, cacc, m_i, l_i, r_qk = carry
+                slot = lax.rem(kv, jnp.array(stages, kv.dtype))
+
+                def compute_qk(s_ref, e_ref=None):
+                    plgpu.wgmma(s_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                    if checks and not fuse_e:
+                        plgpu.barrier_wait(ks_bar.at[slot])
+                        plgpu.wgmma(e_ref, qo, ks_smem.at[slot].transpose((1, 0)))
+                    schedule()
+                    if fuse_e:
+                        s_all = s_ref[...]
+                        return s_all[:, :bk], s_all[:, bk:]
+                    return s_ref[...], (e_ref[...] if checks else None)
+
+                accs = [plgpu.ACC((bq, kn), jnp.float32)] + (
+                    [plgpu.ACC((bq, CS), jnp.float32)] if checks and not fuse_e else []
+                )
+                qk, e8 = pl.run_scoped(compute_qk, *accs)
+                plgpu.barrier_arrive(k_done.at[slot])
+                kv_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout) + kv * bk
+                if inject:
+                    hit = (kv_ids == lax.broadcast_in_dim(skey, qk.shape, [0])) & (
+                        lax.broadcast_in_dim(sbit, qk.shape, [0]) >= 0
+                    )
+                    qk = _flip(qk, lax.broadcast_in_dim(sbit, qk.shape, [0]), hit)
+                if checks:
+                    col8 = plgpu.broadcasted_iota(jnp.int32, (bq, CS), 1, layout=wgmma_layout)
+                    e = jnp.where(col8 < 2, e8, 0.0).sum(axis=1)
+                    r_qk = jnp.maximum(r_qk, _ratio(qk.sum(axis=1) - e, tol_qk))
+                if masked:
+                    q_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + base
+                    qk = jnp.where(q_ids >= kv_ids, qk, -jnp.inf)
+
+                m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+                alpha = jnp.exp2(m_i - m_ij)
+                m_i = m_ij
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+                acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                if checks:
+                    # l comes from the tensor cores: the checksum tile's row of ones sums p16 into
+                    # cacc's column 2, rescaled with it, so the softmax's own row sum is not needed.
+                    cacc *= lax.broadcast_in_dim(alpha, cacc.shape, [0])
+                else:
+                    l_i *= alpha
+                    l_i += p.sum(axis=1)
+                acc, cacc, l_i, m_i, p16 = lax.optimization_barrier((acc, cacc, l_i, m_i, p16))
+                plgpu.barrier_arrive(schedule_barrier)  # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                if checks:
+                    plgpu.barrier_wait(vs_bar.at[slot])
+                plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
+
+                def compute_pv(refs):
+                    acc_ref, c_ref = refs
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    if checks:
+                        plgpu.wgmma(c_ref, p16, vs_smem.at[slot].transpose((1, 0)))
+                    nxt = kv + 1
+
+                    @pl.when(nxt < steps)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(stages, kv.dtype))])
+
+                acc, cacc = pl.run_state(compute_pv)(
+                    (plgpu.ACC.init(acc), plgpu.ACC.init(cacc) if checks else None)
+                )
+                plgpu.barrier_arrive(v_done.at[slot])
+                return acc, cacc, m_i, l_i, r_qk
+
+            carry = (acc, cacc, row_const(-jnp.inf), row_const(0.0), r_qk)
+            if not causal:
+                carry = lax.fori_loop(0, nb, step, carry)
+            else:
+
+                def flush(kv, _):
+                    # Keep the TMA pipeline's barriers in step when this warpgroup needs fewer key
+                    # blocks than the CTA's other one.
+                    slot = lax.rem(kv, jnp.array(stages, kv.dtype))
+                    plgpu.barrier_arrive(k_done.at[slot])
+                    plgpu.barrier_arrive(v_done.at[slot])
+                    schedule()
+                    schedule()
+
+                full = lax.div(base, jnp.array(bk, jnp.int32))
+                carry = lax.fori_loop(0, full, step, carry)
+                carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+                lax.fori_loop(steps, cta_steps, flush, None)
+            acc, cacc, m_i, l_i, r_qk = carry
+            pl.when(wg == 0)(schedule)
+
+            if inject:
+                d_ids = plgpu.broadcasted_iota(jnp.int32, (bq, d), 1, layout=wgmma_layout)
+                hit = (d_ids == lax.broadcast_in_dim(ocol, acc.shape, [0])) & (
+                    lax.broadcast_in_dim(obit, acc.shape, [0]) >= 0
+                )
+                acc = _flip(acc, lax.broadcast_in_dim(obit, acc.shape, [0]), hit)
+            if checks:
+                col8 = plgpu.broadcasted_iota(jnp.int32, (bq, CS), 1, layout=wgmma_layout)
+                cs = jnp.where(col8 < 2, cacc, 0.0).sum(axis=1)
+                l_i = jnp.where(col8 == 2, cacc, 0.0).sum(axis=1)
+                r_pv = _ratio(acc.sum(axis=1) - cs, tol_pv * l_i)
+            acc /= lax.broadcast_in_dim(l_i, (bq, d), [0])
+            qo[...] = acc.astype(dtype)
+            # The per-row f32 buffer's rows were read into registers above: reused for the outputs.
+            lse_s = rows_f.at[wg, 0]
+            lse_s[...] = m_i + jnp.log(l_i) * (1.0 / math.log(2.0))
+            if checks:
+                rows_f.at[wg, 1][...] = r_qk
+                rows_f.at[wg, 2][...] = r_pv
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo, out_ref.at[batch, rows, q_head])
+            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[batch, q_head, rows])
+            if checks:
+                plgpu.copy_smem_to_gmem(rows_f.at[wg, 1], rqk_ref.at[batch, q_head, rows])
+                plgpu.copy_smem_to_gmem(rows_f.at[wg, 2], rpv_ref.at[batch, q_head, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.array(g, q_head.dtype))
+
+            def load_k(step, slot):
+                sl = (batch, pl.ds(step * bk, bk), kv_head)
+                if fuse_e:  # two copies, one barrier expecting both arrivals
+                    plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot, pl.ds(0, bk)], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        ks_ref.at[batch, kv_head, step], k_smem.at[slot, pl.ds(bk, CS)], k_bar.at[slot]
+                    )
+                    return
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+                if checks:
+                    plgpu.copy_gmem_to_smem(
+                        ks_ref.at[batch, kv_head, step], ks_smem.at[slot], ks_bar.at[slot]
+                    )
+
+            def load_v(step, slot):
+                sl = (batch, pl.ds(step * bk, bk), kv_head)
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+                if checks:
+                    plgpu.copy_gmem_to_smem(
+                        vs_ref.at[batch, kv_head, step], vs_smem.at[slot], vs_bar.at[slot]
+                    )
+
+            for i in range(stages):
+                load_k(i, i)
+                load_v(i, i)
+
+            @pl.loop(0, cta_steps - stages)
+            def _(kv):
+                slot = lax.rem(kv, jnp.array(stages, kv.dtype))
+                plgpu.barrier_wait(k_done.at[slot])
+                load_k(kv + stages, slot)
+                plgpu.barrier_wait(v_done.at[slot])
+                load_v(kv + stages, slot)
+
+    def entry(*refs):
+        tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = [
+            plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # q in, out staged on its way back
+            plgpu.SMEM((stages, kn, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, CS, d), dtype, transforms=tf) if checks and not fuse_e else None,
+            plgpu.SMEM((stages, CS, bk), dtype, transforms=tf) if checks else None,
+            plgpu.SMEM((2, 3, bq), jnp.float32),  # per warpgroup: bounds in; lse and ratios out
+            plgpu.SMEM((2, 4, bq), jnp.int32) if inject else None,
+        ]
+        bars = (
+            plgpu.Barrier(num_arrivals=2 if fuse_e else 1, num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=12),
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(refs, scoped),
+            smem,
+            bars,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+    return plgpu.kernel(
+        entry,
+        out_type=[jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * (n_out - 1),
+        grid=(h, t // (2 * bq), b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, *extras)
+
+
+def _check_inputs(q, k, v, causal: bool, cfg: FlashConfig) -> None:
+    if (
+        q.ndim != 4
+        or k.ndim != 4
+        or v.shape != k.shape
+        or k.shape[0] != q.shape[0]
+        or k.shape[3] != q.shape[3]
+    ):
+        raise ValueError(
+            f"pimlayers.flash_attention: q {q.shape}, k {k.shape}, v {v.shape}; expected q (B, T, H, D) "
+            "and k, v (B, S, KV, D)"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in (
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    ):
+        raise TypeError(
+            f"pimlayers.flash_attention: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; expected one "
+            "dtype, bfloat16 or float16"
+        )
+    if not flash_supported(q.shape, k.shape, q.dtype, causal, cfg):
+        raise ValueError(
+            f"pimlayers.flash_attention: q {q.shape}, k {k.shape} (causal={causal}) is outside the kernel's "
+            f"shapes: D a multiple of 64 up to 256, H a multiple of KV, T a multiple of {2 * cfg.block_q}, "
+            f"S of {cfg.block_kv}, and T == S when causal"
+        )
+
+
+def _check_faults(q, faults: FlashFaults) -> None:
+    want = (q.shape[0], q.shape[2], q.shape[1])
+    if not isinstance(faults, FlashFaults):
+        raise TypeError(
+            f"pimlayers.flash_attention: faults is a {type(faults).__name__}; expected FlashFaults"
+        )
+    for name, a in zip(FlashFaults._fields, faults, strict=True):
+        if a.shape != want or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(
+                f"pimlayers.flash_attention: faults.{name} is {a.dtype}{list(a.shape)}; "
+                f"expected int32{list(want)} (batch, heads, query rows)"
+            )
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "checks", "config"))
+def flash_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    faults: FlashFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    checks: bool = True,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks | None]:
+    """softmax(q·kᵀ·scale, causal)·v on Hopper's tensor cores, H query heads over KV heads.
+
+    Returns ``(out, lse, checks)``: lse is the natural-log logsumexp of each row's scaled scores
+    (what a flash backward needs), ``checks`` the two ratios per row (None when ``checks=False``,
+    the kernel without its checksums: the peer that says what they cost). ``faults`` flips bits
+    inside the kernel (tests). Raises NotImplementedError off a Hopper GPU.
+    """
+    cfg = config or FlashConfig()
+    _check_inputs(q, k, v, causal, cfg)
+    if faults is not None and not checks:
+        raise ValueError("pimlayers.flash_attention: faults are injected before the checks; pass checks=True")
+    if checks and q.dtype != jnp.bfloat16:
+        raise TypeError(
+            f"pimlayers.flash_attention: checks=True needs bfloat16 q, k, v (the checksum tiles are bf16 "
+            f"hi/lo pairs); got {q.dtype}. Use bfloat16, or checks=False for the unverified kernel"
+        )
+    if faults is not None:
+        _check_faults(q, faults)
+    if not hopper():
+        raise NotImplementedError(
+            "pimlayers.flash_attention runs on a Hopper GPU (sm_90) only; "
+            "flash_attention_reference is the same computation through XLA"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    extras: tuple = ()
+    if checks:
+        extras = flash_bounds(q, k, v, lam=lam, config=cfg)
+    if faults is not None:
+        extras += tuple(a.astype(jnp.int32) for a in faults)
+    res = _kernel_call(
+        q, k, v, extras, causal=causal, scale=scale, checks=checks, inject=faults is not None, cfg=cfg
+    )
+    out, lse2 = res[0], res[1]
+    lse = lse2 * jnp.float32(math.log(2.0))
+    return out, lse, (FlashChecks(res[2], res[3]) if checks else None)
+
+
+def flash_attention_reference(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    faults: FlashFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks]:
+    """The kernel's results through XLA, scores materialised in f32: the same checksums, bounds and
+    injected flips (per row), the output rounded to q's dtype. Any backend; for tests."""
+    cfg = config or FlashConfig()
+    _check_inputs(q, k, v, causal, cfg)
+    if q.dtype != jnp.bfloat16:
+        raise TypeError(
+            f"pimlayers.flash_attention_reference: q, k, v have dtype {q.dtype}; expected bfloat16"
+        )
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g, nb, bk = h // kvh, s // cfg.block_kv, cfg.block_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if faults is not None:
+        _check_faults(q, faults)
+    hi = lax.Precision.HIGHEST
+    ks, vs, tol_qk, tol_pv = flash_bounds(q, k, v, lam=lam, config=cfg)
+    kh = jnp.repeat(k, g, axis=2)
+    vh = jnp.repeat(v, g, axis=2)
+    sc = jnp.einsum("bthd,bshd->bhts", q, kh, preferred_element_type=jnp.float32, precision=hi)
+    if faults is not None:
+        keys = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]
+        hit = (keys == faults.score_key[..., None]) & (faults.score_bit >= 0)[..., None]
+        sc = _flip(sc, faults.score_bit[..., None], hit)
+    # Checksum of each key block: the tile's hi + lo rows against q, in f32.
+    ksum = ks[:, :, :, 0].astype(jnp.float32) + ks[:, :, :, 1].astype(jnp.float32)  # (B, KV, nb, D)
+    e = jnp.einsum("bthd,bhjd->bhtj", q.astype(jnp.float32), jnp.repeat(ksum, g, axis=1), precision=hi)
+    rs = jnp.sum(sc.reshape(b, h, t, nb, bk), axis=-1)
+    r_qk = jnp.max(_ratio(rs - e, tol_qk[..., None]), axis=-1)
+    if causal:
+        visible = jnp.arange(s)[None, None, None, :] <= jnp.arange(t)[None, None, :, None]
+        sc = jnp.where(visible, sc, -jnp.inf)
+    m = jnp.max(sc, axis=-1, keepdims=True) * scale
+    p = jnp.exp(sc * scale - m)
+    p16 = p.astype(q.dtype)
+    l_ = jnp.sum(p16.astype(jnp.float32), axis=-1)  # the kernel's l: the tensor cores' sum of p16
+    acc = jnp.einsum("bhts,bshd->bhtd", p16, vh, preferred_element_type=jnp.float32, precision=hi)
+    if faults is not None:
+        cols = jnp.arange(d, dtype=jnp.int32)[None, None, None, :]
+        hit = (cols == faults.out_col[..., None]) & (faults.out_bit >= 0)[..., None]
+        acc = _flip(acc, faults.out_bit[..., None], hit)
+    vsum = (vs[:, :, :, 0].astype(jnp.float32) + vs[:, :, :, 1].astype(jnp.float32)).reshape(b, kvh, s)
+    cs = jnp.einsum("bhts,bhs->bht", p16.astype(jnp.float32), jnp.repeat(vsum, g, axis=1), precision=hi)
+    r_pv = _ratio(jnp.sum(acc, axis=-1) - cs, tol_pv * l_)
+    out = (acc / l_[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
+    lse = m[..., 0] + jnp.log(l_)
+    return out, lse, FlashChecks(r_qk, r_pv)

@@ -1,0 +1,206 @@
+"""Verified flash attention: the kernel's reference, its checks, and the attention core's flash path.
+
+On the CPU the flash path runs with ``flash_attention_reference`` standing in for the Hopper kernel
+(the same outputs, ratios and injected flips, computed by XLA with the scores materialised); the GPU
+tests (``tests/test_gpu.py``) check the kernel against that reference and run the same fault
+scenarios through it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TraceCounter
+
+from pimlayers import layers as L
+from pimlayers import ops
+from pimlayers.faults import FaultPolicy, GemmFaults
+
+B, T, H, KV, D = 2, 256, 4, 2, 64  # two key blocks, one CTA's worth of query rows x2
+
+
+def _qkv(b=B, t=T, h=H, kv=KV, d=D, seed=0, scale=1.0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    mk = lambda key, heads: (scale * jax.random.normal(key, (b, t, heads, d))).astype(jnp.bfloat16)
+    return mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv)
+
+
+def _faults(rows, b=B, h=H, t=T):
+    """FlashFaults with the given (site, batch, head, row, bit, key-or-column) flips."""
+    sb, sk, ob, oc = (np.array(a) for a in ops.FlashFaults.none(b, h, t))
+    for which, bi, hi, ti, bit, col in rows:
+        if which == "scores":
+            sb[bi, hi, ti], sk[bi, hi, ti] = bit, col
+        else:
+            ob[bi, hi, ti], oc[bi, hi, ti] = bit, col
+    return ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
+
+
+def _flagged(ratios):
+    return {tuple(i) for i in np.argwhere(~(np.asarray(ratios) <= 1.0)).tolist()}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("h", "kv"), [(4, 2), (4, 4), (8, 1)])
+def test_reference_matches_jax_attention(causal, h, kv):
+    q, k, v = _qkv(h=h, kv=kv)
+    out, lse, checks = ops.flash_attention_reference(q, k, v, causal=causal)
+    with jax.numpy_dtype_promotion("standard"):  # jax's own attention promotes bf16 with f32
+        ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    # bf16 outputs: the reference normalises by the sum of the bf16 probabilities (as the kernel's
+    # tensor cores do), jax by the f32 sum: a few bf16 ulps at most.
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+    kh = jnp.repeat(k, h // kv, axis=2).astype(jnp.float32)
+    s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), kh) / np.sqrt(D)
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None, None], s, -jnp.inf)
+    # l is the sum of the bf16 probabilities (each within 2^-9 of its f32 value): lse within ~2^-9.
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(jax.nn.logsumexp(s, axis=-1)), atol=2**-8)
+    assert _flagged(checks.scores) == set() and _flagged(checks.out) == set()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
+def test_clean_ratios_stay_well_inside_the_bound(scale):
+    # Magnitudes from tiny to large logits (30^2 * 64 / 8 = 7200 before the softmax's scale).
+    q, k, v = _qkv(seed=3, scale=scale)
+    _, _, checks = ops.flash_attention_reference(q, k, v)
+    assert float(checks.scores.max()) < 0.25 and float(checks.out.max()) < 0.25
+
+
+@pytest.mark.parametrize("bit", [30, 27, 24, 31])
+def test_injected_flips_are_flagged_on_their_rows(bit):
+    q, k, v = _qkv(seed=1)
+    sites = [("scores", 0, 1, 100, bit, 50), ("scores", 1, 3, 255, bit, 200), ("out", 1, 0, 7, bit, 13)]
+    _, _, clean = ops.flash_attention_reference(q, k, v)
+    _, _, checks = ops.flash_attention_reference(q, k, v, _faults(sites))
+    assert _flagged(checks.scores) == {(0, 1, 100), (1, 3, 255)}
+    # A huge score can also break the softmax of its own row, whose out check then fails too.
+    assert (1, 0, 7) in _flagged(checks.out) <= {(1, 0, 7), (0, 1, 100), (1, 3, 255)}
+    np.testing.assert_array_equal(np.asarray(clean.scores)[0, 0], np.asarray(checks.scores)[0, 0])
+
+
+def test_a_flip_below_the_rounding_bound_passes():
+    q, k, v = _qkv(seed=2)
+    _, _, checks = ops.flash_attention_reference(q, k, v, _faults([("scores", 0, 0, 10, 0, 3)]))
+    assert _flagged(checks.scores) == set()  # the last mantissa bit of one f32 score: harmless
+
+
+def test_bounds_shapes_and_tiles():
+    q, k, v = _qkv()
+    ks, vs, tol_s, tol_o = ops._flash.flash_bounds(q, k, v, lam=8.0)
+    nb = T // ops.FlashConfig().block_kv
+    assert ks.shape == (B, KV, nb, 8, D) and vs.shape == (B, KV, nb, 8, 128)
+    assert tol_s.shape == tol_o.shape == (B, H, T)
+    # hi + lo carries the key block sums to 2^-16 relative; the value tile's third row is ones.
+    kf = k.astype(jnp.float32).reshape(B, nb, 128, KV, D).sum(2).transpose(0, 2, 1, 3)
+    got = ks[:, :, :, 0].astype(jnp.float32) + ks[:, :, :, 1].astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(kf), rtol=2**-16, atol=1e-6)
+    assert bool(jnp.all(vs[:, :, :, 2] == 1)) and bool(jnp.all(vs[:, :, :, 3:] == 0))
+
+
+def test_kernel_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.flash_attention(q[:, :100], k[:, :100], v[:, :100])
+    with pytest.raises(ValueError, match="T == S"):
+        ops.flash_attention(q, k[:, :128], v[:, :128])
+    with pytest.raises(TypeError, match="one dtype"):
+        ops.flash_attention(q, k.astype(jnp.float16), v)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.flash_attention(*(a.astype(jnp.float16) for a in (q, k, v)))
+    with pytest.raises(ValueError, match="expected int32"):
+        ops.flash_attention(q, k, v, ops.FlashFaults.none(B, T, H))
+    with pytest.raises(ValueError, match="pass checks=True"):
+        ops.flash_attention(q, k, v, ops.FlashFaults.none(B, H, T), checks=False)
+    if not ops._fused_gemm.hopper():
+        with pytest.raises(NotImplementedError, match="Hopper"):
+            ops.flash_attention(q, k, v)
+
+
+# --- the attention core's flash path (the reference standing in for the kernel on the CPU) ---
+
+POLICY = FaultPolicy()
+
+
+def test_flash_path_matches_the_materialised_path():
+    q, k, v = _qkv(seed=4)
+    o1, r1 = L.attention_core(q, k, v, policy=POLICY, flash=True)
+    o2, r2 = L.attention_core(q, k, v, policy=POLICY, flash=False)
+    np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32), atol=3e-2)
+    assert r1.to_dict() == r2.to_dict() == {**r2.zeros().to_dict(), "gemm_checked": 2 * B * KV}
+
+
+def test_flash_path_recomputes_a_detected_fault_without_recompiling():
+    q, k, v = _qkv(seed=5)
+    clean, _ = L.attention_core(q, k, v, policy=POLICY, flash=True)
+    body = TraceCounter(lambda q, k, v, f: L.attention_core(q, k, v, policy=POLICY, flash=True, faults=f))
+    run = jax.jit(body)
+    for seed in range(3):
+        # Exponent flips at random sites of both GEMMs (rows of the (B·KV·g·T, ·) outputs).
+        fs = GemmFaults.random(jax.random.key(seed), (B * H * T, T), 2, 1.0, bit=30)
+        fo = GemmFaults.random(jax.random.key(seed + 10), (B * H * T, D), 1, 1.0, bit=30)
+        out, r = run(q, k, v, {"scores": fs, "pv": fo})
+        rd = r.to_dict()
+        # Up to 5: a huge score can break its row's out check too.
+        assert 1 <= rd["gemm_detected"] <= 5 and rd["gemm_corrected"] == rd["gemm_detected"]
+        assert rd["gemm_recomputed"] == 2 * B * KV and rd["gemm_uncorrectable"] == 0
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+    assert body.count == 1
+
+
+def test_detect_mode_reports_without_recomputing():
+    q, k, v = _qkv(seed=6)
+    f = GemmFaults(*(jnp.array([x]) for x in (37, 5, 30)), jnp.array([True]))
+    _, r = L.attention_core(q, k, v, policy=FaultPolicy(mode="detect"), flash=True, faults={"scores": f})
+    rd = r.to_dict()
+    assert rd["gemm_detected"] == 1 and rd["gemm_uncorrectable"] == 1 and rd["gemm_recomputed"] == 0
+
+
+def test_flash_path_gradients_are_the_materialised_paths():
+    q, k, v = _qkv(seed=7)
+    g = jax.random.normal(jax.random.key(8), q.shape, jnp.float32)
+
+    def loss(q, k, v, flash):
+        return jnp.sum(L.attention_core(q, k, v, policy=POLICY, flash=flash)[0].astype(jnp.float32) * g)
+
+    g1 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, True)
+    g2 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, False)
+    for a, b in zip(g1, g2, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_backward_faults_are_reported_through_the_tap():
+    q, k, v = _qkv(seed=9)
+    none = GemmFaults.none()
+    # A fault in the backward's dA GEMM of the scores (dp·k): the materialised backward checks it.
+    f_da = GemmFaults(*(jnp.array([x]) for x in (11, 3, 30)), jnp.array([True]))
+
+    def loss(q, tap):
+        out, _ = L.attention_core(
+            q, k, v, policy=POLICY, flash=True, faults={"scores": (none, f_da, none)}, tap=tap
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    _, dtap = jax.grad(loss, argnums=(0, 1))(q, ops.zero_tap())
+    rd = ops.report_from_tap(dtap).to_dict()
+    assert rd["gemm_detected"] >= 1 and rd["gemm_uncorrectable"] == 0
+
+
+def test_flash_errors_name_the_obstacle():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="protection is off"):
+        L.attention_core(q, k, v, policy=FaultPolicy(mode="off"), flash=True)
+    with pytest.raises(ValueError, match="mask must be None"):
+        L.attention_core(q, k, v, policy=POLICY, flash=True, mask=jnp.ones((1, 1, T, T), bool))
+    with pytest.raises(ValueError, match="bf16"):
+        f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+        L.attention_core(*f32, policy=POLICY, flash=True)
+
+
+def test_default_is_materialised_off_hopper():
+    q, k, v = _qkv()
+    if ops._fused_gemm.hopper():
+        pytest.skip("on a Hopper GPU the default takes the kernel (tests/test_gpu.py)")
+    o1, _ = L.attention_core(q, k, v, policy=POLICY)
+    o2, _ = L.attention_core(q, k, v, policy=POLICY, flash=False)
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))

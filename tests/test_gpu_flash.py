@@ -1,0 +1,109 @@
+"""The verified flash attention kernel on a Hopper GPU against its XLA reference (skipped elsewhere)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TraceCounter
+
+from pimlayers import layers as L
+from pimlayers import ops
+from pimlayers.faults import FaultPolicy, GemmFaults
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    if not ops._fused_gemm.hopper():
+        pytest.skip("the flash kernel needs a Hopper GPU (sm_90)")
+
+
+def _qkv(b, t, h, kv, d, seed=0, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return tuple(
+        jax.random.normal(kk, (b, t, n, d)).astype(dtype) for kk, n in zip(ks, (h, kv, kv), strict=True)
+    )
+
+
+def _flagged(r):
+    return {tuple(i) for i in np.argwhere(~(np.asarray(r) <= 1.0)).tolist()}
+
+
+SHAPES = [  # (B, T, H, KV, D, causal)
+    (2, 256, 4, 2, 64, True),
+    (1, 512, 8, 2, 128, True),
+    (2, 256, 4, 4, 128, False),
+    (1, 1024, 4, 1, 128, True),
+    (1, 384, 6, 3, 128, False),
+]
+
+
+@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(fuse_e=False)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_reference(hopper, shape, config):
+    b, t, h, kv, d, causal = shape
+    q, k, v = _qkv(b, t, h, kv, d)
+    out, lse, checks = ops.flash_attention(q, k, v, causal=causal, config=config)
+    ref_out, ref_lse, _ = ops.flash_attention_reference(q, k, v, causal=causal)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-3)
+    assert float(checks.scores.max()) < 0.25 and float(checks.out.max()) < 0.25
+    plain, _, none = ops.flash_attention(q, k, v, causal=causal, checks=False, config=config)
+    assert none is None
+    np.testing.assert_allclose(np.asarray(plain, np.float32), np.asarray(ref_out, np.float32), atol=3e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_flags_the_rows_the_reference_flags(hopper, shape):
+    b, t, h, kv, d, causal = shape
+    q, k, v = _qkv(b, t, h, kv, d, seed=1)
+    rng = np.random.default_rng(2)
+    sb, sk, ob, oc = (np.array(a) for a in ops.FlashFaults.none(b, h, t))
+    for i in range(6):
+        bi, hi, ti = int(rng.integers(b)), int(rng.integers(h)), int(rng.integers(t))
+        bit = int(rng.integers(24, 32))
+        if i % 2:
+            sb[bi, hi, ti], sk[bi, hi, ti] = bit, int(rng.integers(0, ti + 1 if causal else t))
+        else:
+            ob[bi, hi, ti], oc[bi, hi, ti] = bit, int(rng.integers(d))
+    faults = ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
+    _, _, got = ops.flash_attention(q, k, v, faults, causal=causal)
+    _, _, ref = ops.flash_attention_reference(q, k, v, faults, causal=causal)
+    assert _flagged(got.scores) == _flagged(ref.scores)
+    assert _flagged(got.out) == _flagged(ref.out)
+    assert _flagged(got.scores) | _flagged(got.out)  # exponent and sign flips: some row fails
+
+
+def test_attention_core_takes_the_kernel_and_corrects(hopper):
+    b, t, h, kv, d = 1, 512, 8, 2, 128
+    q, k, v = _qkv(b, t, h, kv, d, seed=3)
+    pol = FaultPolicy()
+    clean, r0 = L.attention_core(q, k, v, policy=pol)  # default: the kernel
+    mat, _ = L.attention_core(q, k, v, policy=pol, flash=False)
+    np.testing.assert_allclose(np.asarray(clean, np.float32), np.asarray(mat, np.float32), atol=3e-2)
+    assert r0.to_dict()["gemm_detected"] == 0
+    body = TraceCounter(lambda q, k, v, f: L.attention_core(q, k, v, policy=pol, faults=f))
+    run = jax.jit(body)
+    for seed in range(3):
+        fs = GemmFaults.random(jax.random.key(seed), (b * h * t, t), 2, 1.0, bit=30)
+        out, r = run(q, k, v, {"scores": fs})
+        rd = r.to_dict()
+        assert rd["gemm_detected"] >= 1 and rd["gemm_uncorrectable"] == 0
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+    assert body.count == 1
+
+
+def test_attention_core_gradients_are_the_materialised_paths(hopper):
+    b, t, h, kv, d = 1, 256, 4, 2, 128
+    q, k, v = _qkv(b, t, h, kv, d, seed=4)
+    g = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
+    pol = FaultPolicy()
+
+    def loss(q, k, v, flash):
+        return jnp.sum(L.attention_core(q, k, v, policy=pol, flash=flash)[0].astype(jnp.float32) * g)
+
+    g1 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, None)
+    g2 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, False)
+    for a, c in zip(g1, g2, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
