@@ -82,14 +82,18 @@ optimizer, encode on write) with faults injected: parameter bit flips every 5 st
 (`gemm_injected` / `gemm_corrected`). `step_ms` is the median step (the compiling first step left
 out); MFU = step FLOPs (6 per weight per token plus causal attention) / (devices x 989 TFLOP/s);
 `on_over_off` = protected / unprotected tokens/s; `peak_gb` is device 0's peak allocation. The model's
-attention is `layers.attention_core` (scores materialised) in both configurations, not cuDNN.
+attention is `layers.attention_core`: unprotected, XLA's materialised attention (not cuDNN); protected on
+a Hopper GPU (since 2026-12-01, the `4layers-flash` files), the verified flash kernel's forward.
 
 Reading the peers table (Hopper only): the kernels a protected kernel with its checks fused in would
 be built on, against what the library already calls, side by side in one run. GEMM rows: XLA
 (cuBLAS) against JAX's Pallas Mosaic-GPU Hopper matmul, best of 8 tile-schedule configurations;
 `pallas_speed_vs_xla` > 1 means the Pallas kernel is faster (headroom a fused epilogue could spend).
-Attention rows: causal GQA at the issue's shape; `vs_cudnn` = cuDNN time / that row's time. Every
-output is compared with XLA's before timing.
+Attention rows: causal GQA at the issue's shape; `vs_cudnn` = cuDNN time / that row's time (goal 2:
+protected attention >= 0.93). `pimlayers flash_attention` rows are the kernel with and without its
+in-kernel checks (bounds computed by XLA included); `attention_core, protected` rows are the layer's
+whole protected path (report, recompute loop; fwd+bwd with its backward). Every output is compared
+with XLA's before timing.
 
 Reading the profile tables: `python -m benchmarks.profile` traces a short training run under the JAX
 profiler and sums the device kernels by name; `ms_per_step` divides by the steps traced, `share` is

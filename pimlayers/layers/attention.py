@@ -7,8 +7,10 @@ The core's two products — scores = q·kᵀ and out = p·v — are checked like
 On a Hopper GPU, with protection on and the shapes the kernel takes (bf16, queries at the keys'
 positions, no mask or partly filled cache), the forward pass instead runs
 :func:`pimlayers.ops.flash_attention`: flash attention with both GEMMs' checksums verified inside the
-kernel, the scores never materialised; a detected fault reruns the kernel. Its backward pass is the
-verified materialised path's (recomputed from q, k, v).
+kernel, the scores never materialised; a detected fault reruns the kernel. Its backward pass starts
+from the forward's output and logsumexp: the scores are recomputed by one checked GEMM and the
+probabilities read off the logsumexp, then the four backward GEMMs are checked as the materialised
+path's are. That backward still materialises the (T, S) scores: no flash backward kernel yet.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from ..ops import (
     flash_supported,
     gate,
     protected_bmm,
+    protected_bmm_grads,
     zero_tap,
 )
 from ..ops._fused_gemm import hopper
+from ..ops._protected_matmul import REPORT_FIELDS
 from ._common import check_features, policy_or_default, stock
 from .linear import linear
 from .rope import apply_rope
@@ -211,7 +215,7 @@ def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy,
     ``protected_bmm`` counts the materialised path's."""
     kernel = flash_attention_reference if reference else flash_attention
     b, kvh = q.shape[0], k.shape[2]
-    out, _, ch = kernel(q, k, v, ff, causal=causal, scale=scale, lam=policy.lam)
+    out, lse, ch = kernel(q, k, v, ff, causal=causal, scale=scale, lam=policy.lam)
 
     def groups(ch):  # (2, B, KV): which GEMMs (scores, out) of each group had a failing row
         bad = jnp.stack([~(ch.scores <= 1.0), ~(ch.out <= 1.0)])  # NaN counts as failing
@@ -221,61 +225,88 @@ def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy,
     detected = jnp.sum(bad, dtype=jnp.int32)
     n = 2 * b * kvh
     if not (policy.corrects and policy.recompute):
-        return out, FaultReport(gemm_checked=n, gemm_detected=detected, gemm_uncorrectable=detected)
+        return out, lse, FaultReport(gemm_checked=n, gemm_detected=detected, gemm_uncorrectable=detected)
 
     def redo(carry):
         # The barrier keeps XLA from reusing the first call's results: a real rerun, fault-free
         # (injected faults model transient errors).
         q2, k2, v2 = lax.optimization_barrier((q, k, v))
-        out2, _, ch2 = kernel(q2, k2, v2, causal=causal, scale=scale, lam=policy.lam)
+        out2, lse2, ch2 = kernel(q2, k2, v2, causal=causal, scale=scale, lam=policy.lam)
         still = groups(ch2)
         gated = jnp.int32(0)
         if policy.gate:
             out2, counts = gate(out2, fill=policy.gate_fill, limit=policy.gate_limit)
             gated = jnp.sum(counts, dtype=jnp.int32)
-        return out2, jnp.sum(still, dtype=jnp.int32), gated, jnp.int32(n), jnp.bool_(False)
+        return out2, lse2, jnp.sum(still, dtype=jnp.int32), gated, jnp.int32(n), jnp.bool_(False)
 
-    init = (out, detected, jnp.int32(0), jnp.int32(0), detected > 0)
-    out, still, gated, recomputed, _ = lax.while_loop(lambda c: c[-1], redo, init)
-    return out, FaultReport(
-        gemm_checked=n,
-        gemm_detected=detected,
-        gemm_corrected=detected - still,
-        gemm_recomputed=recomputed,
-        gemm_uncorrectable=still,
-        nonfinite_gated=gated,
+    init = (out, lse, detected, jnp.int32(0), jnp.int32(0), detected > 0)
+    out, lse, still, gated, recomputed, _ = lax.while_loop(lambda c: c[-1], redo, init)
+    return (
+        out,
+        lse,
+        FaultReport(
+            gemm_checked=n,
+            gemm_detected=detected,
+            gemm_corrected=detected - still,
+            gemm_recomputed=recomputed,
+            gemm_uncorrectable=still,
+            nonfinite_gated=gated,
+        ),
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _flash_vjp(q, k, v, ff, bwd_faults, tap, scale, causal, policy, reference):
     del bwd_faults, tap
-    return _flash_forward(q, k, v, ff, scale, causal, policy, reference)
+    out, _, report = _flash_forward(q, k, v, ff, scale, causal, policy, reference)
+    return out, report
 
 
 def _flash_vjp_fwd(q, k, v, ff, bwd_faults, tap, scale, causal, policy, reference):
-    return _flash_vjp(q, k, v, ff, bwd_faults, tap, scale, causal, policy, reference), (
-        q,
-        k,
-        v,
-        ff,
-        bwd_faults,
-        tap,
-    )
+    out, lse, report = _flash_forward(q, k, v, ff, scale, causal, policy, reference)
+    return (out, report), (q, k, v, out, lse, ff, bwd_faults)
 
 
 def _flash_vjp_bwd(scale, causal, policy, reference, res, cts):
-    q, k, v, ff, bwd_faults, tap = res
+    """Attention's backward from the forward's output and logsumexp, every GEMM verified.
+
+    The scores are recomputed (one checked GEMM) and the probabilities read off the saved
+    logsumexp, p = exp(s·scale - lse), so neither the softmax's reductions nor p·v run again (the
+    materialised path's backward recomputes its whole forward); then, as the materialised path's
+    own backward: dp = do·vᵀ and dv = pᵀ·do (checked), δ = rowsum(do ∘ out) (FlashAttention's
+    identity for rowsum(p ∘ dp)), ds = p ∘ (dp - δ)·scale, dq = ds·k and dk = dsᵀ·q (checked).
+    The report of these five GEMMs travels as the tap's gradient.
+    """
+    del reference
+    q, k, v, out, lse, ff, bwd_faults = res
     dout, _ = cts
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
 
-    def core(q, k, v, tap):  # the verified materialised path; its report travels in tap's gradient
-        return attention_core(
-            q, k, v, causal=causal, scale=scale, policy=policy, faults=bwd_faults, tap=tap, flash=False
-        )[0]
+    def grouped(x):  # (B, T, H, D) -> (B, KV, g·T, D): one GEMM per (batch, KV head)
+        return x.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
 
-    _, vjp = jax.vjp(core, q, k, v, tap)
-    dq, dk, dv, dtap = vjp(dout.astype(q.dtype))
+    qg, og, dog = grouped(q), grouped(out), grouped(dout.astype(q.dtype))
+    kt = k.transpose(0, 2, 3, 1)  # (B, KV, D, S)
+    vv = v.transpose(0, 2, 1, 3)  # (B, KV, S, D)
+    sc, r_s = protected_bmm(qg, kt, policy=policy, out_dtype=jnp.float32)
+    logits = sc * jnp.float32(scale) - lse.reshape(b, kvh, g * t)[..., None]
+    if causal:  # the flash path's queries sit at the keys' positions (T == S)
+        qpos = jnp.tile(jnp.arange(t, dtype=jnp.int32), g)[None, None, :, None]
+        logits = jnp.where(jnp.arange(s, dtype=jnp.int32)[None, None, None, :] <= qpos, logits, -jnp.inf)
+    p = jnp.exp(logits)
+    bf = bwd_faults or {}
+    dp, dv, r_pv = protected_bmm_grads(p.astype(v.dtype), vv, dog, policy=policy, faults=bf.get("pv"))
+    delta = jnp.sum(dog.astype(jnp.float32) * og.astype(jnp.float32), axis=-1, keepdims=True)
+    ds = p * (dp.astype(jnp.float32) - delta) * jnp.float32(scale)
+    dqg, dkt, r_sc = protected_bmm_grads(qg, kt, ds, policy=policy, faults=bf.get("scores"))
+    dq = dqg.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    dk = dkt.transpose(0, 3, 1, 2)  # (B, KV, D, S) -> (B, S, KV, D)
+    dv = dv.transpose(0, 2, 1, 3)  # (B, KV, S, D) -> (B, S, KV, D)
     zero = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+    report = r_s + r_pv + r_sc
+    dtap = jnp.stack([getattr(report, f).astype(jnp.float32) for f in REPORT_FIELDS])
     return dq, dk, dv, zero(ff), zero(bwd_faults), dtap
 
 

@@ -50,7 +50,14 @@ from ._fused_check import fused_flags, inject_fused, redo_tiles
 from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, hopper
 from ._gate import gate
 
-__all__ = ["REPORT_FIELDS", "protected_bmm", "protected_matmul", "report_from_tap", "zero_tap"]
+__all__ = [
+    "REPORT_FIELDS",
+    "protected_bmm",
+    "protected_bmm_grads",
+    "protected_matmul",
+    "report_from_tap",
+    "zero_tap",
+]
 
 REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(FaultReport))  # no arrays at import
 
@@ -479,6 +486,40 @@ def protected_bmm(
         enc = _encode(b3, policy)
         y, report = _pmm(a3, b3, enc, faults, tap, policy, precision, impl, jnp.dtype(out_dtype))
     return y.reshape(*lead, r, n), report
+
+
+def protected_bmm_grads(
+    a,
+    b,
+    dy,
+    *,
+    policy: FaultPolicy | None = None,
+    faults: tuple[GemmFaults | None, GemmFaults | None, GemmFaults | None] | None = None,
+    precision=None,
+    impl: str = "auto",
+):
+    """The verified backward of ``y = a @ b`` (as :func:`protected_bmm`'s own backward runs it) for a
+    cotangent ``dy``, without the forward: ``(da, db, report)`` with ``da = dy @ bᵀ`` (checked with
+    ``policy.lam``) and ``db = aᵀ @ dy`` (the reduction over rows, checked with ``policy.lam_dw``),
+    each read in place. ``faults``: ``(unused, dA's, dB's)`` sites as for ``protected_bmm``. For
+    backward passes assembled by hand, such as attention's from a flash forward's saved softmax.
+    """
+    if a.ndim < 2 or b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"pimlayers.protected_bmm_grads: a {tuple(a.shape)} @ b {tuple(b.shape)}; expected a (*B, R, K) "
+            f"and b (*B, K, N) with the same leading axes B and the same K"
+        )
+    *lead, r, k = a.shape
+    n = b.shape[-1]
+    if dy.shape != (*lead, r, n):
+        raise ValueError(f"pimlayers.protected_bmm_grads: dy {tuple(dy.shape)}; expected {(*lead, r, n)}")
+    operands = jnp.result_type(a.dtype, b.dtype)
+    policy, precision, faults, _ = _prepare(policy, operands, precision, faults, None)
+    g = int(np.prod(lead, dtype=np.int64))
+    res = (a.reshape(g, r, k), b.reshape(g, k, n), None, faults)
+    with jax.named_scope("pimlayers.protected_bmm_grads"):
+        da, db, _, _, tap = _pmm_bwd(policy, precision, impl, None, res, (dy.reshape(g, r, n), None))
+    return da.reshape(a.shape), db.reshape(b.shape), report_from_tap(tap)
 
 
 def _encode(b, policy: FaultPolicy, transposed: bool = False) -> WeightChecksums:
