@@ -226,3 +226,22 @@ def test_default_is_materialised_off_hopper():
     o1, _ = L.attention_core(q, k, v, policy=POLICY)
     o2, _ = L.attention_core(q, k, v, policy=POLICY, flash=False)
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+
+
+def test_auto_flash_only_where_the_arrays_are_one_devices(cpu_mesh):
+    # XLA cannot partition the kernel: with sharded inputs it would gather them to every device. So
+    # the default takes the kernel on one device, or inside shard_map over every mesh axis.
+    from jax.sharding import PartitionSpec as P
+
+    from pimlayers.layers import attention as A
+
+    assert jax.device_count() == 8 and not A._per_device()
+    seen = []
+
+    def body(x):
+        seen.append(A._per_device())
+        return x
+
+    x = jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(cpu_mesh, P("d")))
+    jax.jit(jax.shard_map(body, mesh=cpu_mesh, in_specs=P("d"), out_specs=P("d")))(x)
+    assert seen == [True]

@@ -172,7 +172,7 @@ def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, cau
     if not flash_supported(q.shape, k.shape, q.dtype, causal):
         return (
             f"q {q.shape}, k {k.shape} (causal={causal}) are outside the kernel's shapes "
-            "(D a multiple of 64 up to 256, T a multiple of 128, S of 128, T == S when causal)"
+            "(D 64 or 128, T a multiple of 128, S of 128, T == S when causal)"
         )
     return ""
 

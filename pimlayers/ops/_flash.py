@@ -6,12 +6,15 @@ compute warpgroups each own 64 query rows, online softmax in f32) with checksums
 verified per query row, EFTA-style (Xu et al., "EFTA: efficient fault-tolerant attention"):
 
 * scores S = q·kᵀ, per key block j of ``block_kv`` keys: the row sums of the f32 accumulator are
-  compared with q·ksum_j, where ksum_j = sum of the block's key rows. q·ksum_j comes from a second
-  tensor-core product of the same q tile with an 8-row tile [hi(ksum_j), lo(ksum_j), 0 x 6] (the
-  smallest wgmma N; hi + lo is ksum_j to 2^-18 relative), issued beside the scores' own.
-* out = p·v: each step also multiplies the bf16 probabilities by [hi(vsum), lo(vsum), 0 x 6]ᵀ (vsum
-  = each key's value row summed over D) into a small accumulator rescaled with the output's; at the
-  end the output accumulator's row sums must equal it.
+  compared with q·ksum_j, where ksum_j = sum of the block's key rows. q·ksum_j comes from the
+  scores' own wgmma: the key tile in shared memory is extended by an 8-row tile [hi(ksum_j),
+  lo(ksum_j), 0 x 6] (hi + lo is ksum_j to 2^-18 relative), so N = block_kv + 8
+  (``FlashConfig.fuse_e``; else a second wgmma with N = 8, the smallest).
+* out = p·v: each step also multiplies the bf16 probabilities by [hi(vsum), lo(vsum), 1, 0 x 5]ᵀ
+  (vsum = each key's value row summed over D) into a small accumulator rescaled with the output's;
+  at the end the output accumulator's row sums must equal its first two columns. Its third column
+  is the sum of the bf16 probabilities, which serves as the softmax's normaliser l (the softmax's
+  own f32 row sum is skipped when checking): the output is then exactly sum p16·v / sum p16.
 
 Both comparisons use a rounding-error bound (``lam`` as in :class:`pimlayers.FaultPolicy`):
 
@@ -19,19 +22,21 @@ Both comparisons use a rounding-error bound (``lam`` as in :class:`pimlayers.Fau
     out:    |rowsum(acc) - p·vsum|    <= u (lam (sqrt(S) + sqrt(D) + 2) + 64 + 2 S/block_kv) l vmax
 
 with kmax = elementwise max over blocks of sum |k rows| (so one bound per row serves every block),
-vmax = max over keys of sum_d |v|, l = the softmax's running sum (sum_j p <= l (1 + 2^-8)); the 64
-covers the hi/lo split of the checksums, the last term the output's per-step rescaling. The kernel
-writes, per query row, the worse ratio |difference| / bound of each check (NaN or Inf counts as
-infinitely bad); a row above 1 was hit by a fault. :func:`pimlayers.ops.protected_flash_attention`
-turns that into a recompute and a FaultReport.
+vmax = max over keys of sum_d |v|, l = the sum of the bf16 probabilities (times 1 + 2^-7 for its
+own f32 accumulation); the 64 covers the hi/lo split of the checksums, the S/block_kv term the
+output's per-step rescaling. The kernel writes, per query row, the worse ratio |difference| / bound
+of each check (NaN or Inf counts as infinitely bad); a row above 1 was hit by a fault.
+:func:`pimlayers.layers.attention_core` turns that into a recompute and a FaultReport. The bounds'
+inputs (checksum tiles, |q|·kmax, vmax) come from XLA (``flash_bounds``).
 
 Fault injection (tests, benchmarks): per query row, one bit of one scores value (at a key) and one
 of one output accumulator value (at a column, after the last step) can be flipped inside the kernel,
 as a transient error in the matrix unit's accumulator would appear, before the checks.
 
-Hopper (sm_90) only: bf16 or f16, D a multiple of 64, T a multiple of 2 x block_q, S of block_kv,
-causal only with T == S (queries at the keys' positions). ``flash_supported`` says when. Reference:
-``flash_attention_reference`` (the same quantities from XLA, scores materialised).
+Hopper (sm_90) only: bf16 (f16 without the checks), D 64 or 128, T a multiple of
+2 x block_q, S of block_kv, causal only with T == S (queries at the keys' positions).
+``flash_supported`` says when. Reference: ``flash_attention_reference`` (the same quantities from
+XLA, scores materialised). lse is the logsumexp of l = sum p16 (within 2^-9 of the f32 sum's).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ __all__ = [
     "flash_supported",
 ]
 
-CS = 8  # rows of a checksum tile: hi, lo and six zero rows (wgmma's smallest N)
+CS = 8  # rows of a checksum tile: hi, lo (the value tile: then ones), zeros to wgmma's smallest N
 _BAD = 3.0e38  # the ratio written for a difference that is NaN/Inf or beyond any bound
 _LOG2E = math.log2(math.e)
 
@@ -113,8 +118,7 @@ def flash_supported(q_shape, k_shape, dtype, causal: bool, config: FlashConfig |
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and b == b2
         and d == d2
-        and d % 64 == 0
-        and d <= 256
+        and d in (64, 128)  # tested sizes; D = 256's buffers would not fit the shared memory
         and kv > 0
         and h % kv == 0
         and t % (2 * cfg.block_q) == 0
@@ -521,7 +525,7 @@ def _check_inputs(q, k, v, causal: bool, cfg: FlashConfig) -> None:
     if not flash_supported(q.shape, k.shape, q.dtype, causal, cfg):
         raise ValueError(
             f"pimlayers.flash_attention: q {q.shape}, k {k.shape} (causal={causal}) is outside the kernel's "
-            f"shapes: D a multiple of 64 up to 256, H a multiple of KV, T a multiple of {2 * cfg.block_q}, "
+            f"shapes: D 64 or 128, H a multiple of KV, T a multiple of {2 * cfg.block_q}, "
             f"S of {cfg.block_kv}, and T == S when causal"
         )
 
