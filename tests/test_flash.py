@@ -245,3 +245,18 @@ def test_auto_flash_only_where_the_arrays_are_one_devices(cpu_mesh):
     x = jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(cpu_mesh, P("d")))
     jax.jit(jax.shard_map(body, mesh=cpu_mesh, in_specs=P("d"), out_specs=P("d")))(x)
     assert seen == [True]
+
+
+def test_gqa_attention_passes_flash_through():
+    ks = jax.random.split(jax.random.key(11), 5)
+    e = 64
+    x = jax.random.normal(ks[0], (1, T, e)).astype(jnp.bfloat16)
+    wq, wo = (jax.random.normal(kk, s) / 8 for kk, s in ((ks[1], (e, H * D)), (ks[4], (H * D, e))))
+    wk, wv = (jax.random.normal(kk, (e, KV * D)) / 8 for kk in ks[2:4])
+    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, inv_freq=None, policy=POLICY, dtype=jnp.bfloat16)
+    y1, _, r1 = L.gqa_attention(x, wq, wk, wv, wo, flash=True, **kw)
+    y2, _, r2 = L.gqa_attention(x, wq, wk, wv, wo, flash=False, **kw)
+    np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(y2, np.float32), atol=5e-2)
+    assert r1.to_dict() == r2.to_dict()
+    with pytest.raises(ValueError, match="q_positions"):  # with a cache the queries are not at 0..T-1
+        L.gqa_attention(x, wq, wk, wv, wo, flash=True, cache=L.KVCache.init(1, T, KV, D, jnp.bfloat16), **kw)

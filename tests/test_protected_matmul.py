@@ -392,3 +392,30 @@ def test_backward_errors_that_cannot_be_located_are_recomputed(recompute_blocks)
     assert d["gemm_detected"] == 2 and d["gemm_recomputed"] == 2 and d["gemm_uncorrectable"] == 0
     np.testing.assert_allclose(gx, gx0, atol=1e-5)
     np.testing.assert_allclose(gw, gw0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bmm_grads_equal_the_bmm_backward_and_report_its_faults(dtype):
+    # protected_bmm_grads is protected_bmm's own backward, called without the forward.
+    ka, kb, kd = jax.random.split(jax.random.key(5), 3)
+    a = jax.random.normal(ka, (2, 3, 40, 24)).astype(dtype)
+    b = jax.random.normal(kb, (2, 3, 24, 56)).astype(dtype)
+    dy = jax.random.normal(kd, (2, 3, 40, 56)).astype(dtype)
+    pol = FaultPolicy()
+    _, vjp = jax.vjp(lambda a, b: ops.protected_bmm(a, b, policy=pol)[0], a, b)
+    want = vjp(dy)
+    da, db, r = ops.protected_bmm_grads(a, b, dy, policy=pol)
+    np.testing.assert_array_equal(np.asarray(da, np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(db, np.float32), np.asarray(want[1], np.float32))
+    assert r.to_dict()["gemm_checked"] == 2 * 2 * 3 and r.to_dict()["gemm_detected"] == 0
+    none = GemmFaults.none()
+    flip = GemmFaults(*(jnp.array([x]) for x in (7, 5, 30)), jnp.array([True]))
+    da2, db2, r2 = ops.protected_bmm_grads(a, b, dy, policy=pol, faults=(none, flip, flip))
+    rd = r2.to_dict()
+    assert rd["gemm_detected"] == 2 and rd["gemm_uncorrectable"] == 0
+    np.testing.assert_allclose(np.asarray(da2, np.float32), np.asarray(da, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(db2, np.float32), np.asarray(db, np.float32), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="dy"):
+        ops.protected_bmm_grads(a, b, dy[..., :8], policy=pol)
+    with pytest.raises(ValueError, match="same leading axes"):
+        ops.protected_bmm_grads(a, b[:1], dy, policy=pol)

@@ -344,6 +344,7 @@ def gqa_attention(
     layout: str = "io",
     faults: Mapping[str, object] | None = None,
     tap: jax.Array | None = None,
+    flash: bool | None = None,
     name: str = "pimlayers.Attention",
 ) -> tuple[Float[Array, "b t e"], KVCache | None, FaultReport]:
     """Llama's attention block without biases: ``(y, cache, report)``.
@@ -352,6 +353,8 @@ def gqa_attention(
     keys and values are written at that offset, and attention runs over the whole (fixed-size)
     cache with the unfilled tail masked: one compiled program serves every decoding step.
     ``inv_freq`` None skips RoPE. Weights are in Flax layout (in, out) unless ``layout="oi"``.
+    ``flash``: as for :func:`attention_core` (the core takes the verified flash kernel only without
+    a cache or given positions).
     """
     policy = policy_or_default(policy)
     faults = dict(faults or {})
@@ -405,6 +408,7 @@ def gqa_attention(
             policy=policy,
             faults=faults,
             tap=tap,
+            flash=flash,
             name=f"{name}.core",
         )
         y, ro = linear(
