@@ -5,9 +5,13 @@
     compute-sanitizer --tool racecheck --kernel-name "$K" --error-exitcode 7 python tests/sanitize_gpu.py
 
 (XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
-buffer's end is not hidden inside XLA's pool.) The cases are tests/test_gpu.py's, called directly:
-the whole pytest session under the sanitizer crashed the tool itself part-way (seen on an H200
-with compute-sanitizer 2025.3.1), at a different test each time.
+buffer's end is not hidden inside XLA's pool.) The Pallas Mosaic-GPU flash attention kernel (Hopper)
+has its own cases, run with ``python tests/sanitize_gpu.py flash`` and ``K='regex=mosaic'`` (its
+kernel is named ``entry_mosaic_gpu_kernel``); not yet run under the tool.
+
+The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
+crashed the tool itself part-way (seen on an H200 with compute-sanitizer 2025.3.1), at a different
+test each time.
 """
 
 import pathlib
@@ -22,8 +26,22 @@ import test_gpu as T  # noqa: E402
 import test_gpu_memory as TM  # noqa: E402
 
 
+def flash_cases() -> list:
+    import test_gpu_flash as TF
+
+    return [
+        *[(TF.test_kernel_matches_reference, (None, shape, TF.ops.FlashConfig())) for shape in TF.SHAPES[:3]],
+        *[(TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape)) for shape in TF.SHAPES[:2]],
+    ]
+
+
 def main() -> None:
     gpu = jax.devices("cuda")[0]
+    if sys.argv[1:] == ["flash"]:
+        for i, (fn, args) in enumerate(cases := flash_cases()):
+            fn(*args)
+            print(f"{i + 1}/{len(cases)} {fn.__name__}{tuple(str(a) for a in args[1:])} ok", flush=True)
+        return
     cases = [
         *[(T.test_gate, (gpu, d, n)) for d in (jnp.float32, jnp.bfloat16) for n in (7, 4097)],
         *[

@@ -260,3 +260,14 @@ def test_gqa_attention_passes_flash_through():
     assert r1.to_dict() == r2.to_dict()
     with pytest.raises(ValueError, match="q_positions"):  # with a cache the queries are not at 0..T-1
         L.gqa_attention(x, wq, wk, wv, wo, flash=True, cache=L.KVCache.init(1, T, KV, D, jnp.bfloat16), **kw)
+
+
+def test_flash_path_under_vmap_equals_one_call_per_example():
+    # Equinox layers take one sequence and are vmapped over a batch; the flash path must follow.
+    q, k, v = _qkv(seed=12)
+    f = lambda q, k, v: L.attention_core(q[None], k[None], v[None], policy=POLICY, flash=True)[0][0]
+    batched = jax.vmap(f)(q, k, v)
+    for i in range(B):
+        np.testing.assert_array_equal(
+            np.asarray(batched[i], np.float32), np.asarray(f(q[i], k[i], v[i]), np.float32)
+        )

@@ -108,3 +108,14 @@ def test_attention_core_gradients_match_the_materialised_paths(hopper):
     for a, c in zip(g1, g2, strict=True):
         a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
         assert np.max(np.abs(a - c)) <= 2e-2 * float(np.max(np.abs(c)))  # a few bf16 ulps
+
+
+def test_kernel_under_vmap_equals_one_call_per_example(hopper):
+    # plgpu.kernel's vmap rule adds a grid axis; Equinox layers are vmapped over a batch.
+    q, k, v = _qkv(3, 256, 4, 2, 128, seed=6)
+    f = lambda q, k, v: ops.flash_attention(q[None], k[None], v[None])
+    out, _, checks = jax.vmap(f)(q, k, v)
+    for i in range(3):
+        o1, _, c1 = f(q[i], k[i], v[i])
+        np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(o1, np.float32))
+        np.testing.assert_array_equal(np.asarray(checks.scores[i]), np.asarray(c1.scores))
