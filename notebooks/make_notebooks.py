@@ -79,6 +79,50 @@ plt.semilogy(bits, np.maximum(err, 1e-12), "o-")
 plt.xlabel("flipped bit of the f32 accumulator"); plt.ylabel("max |output - clean|")
 plt.title("protected MLP output after 8 injected flips"); plt.tight_layout(); plt.show()""",
     ),
+    (
+        "md",
+        """## Attention: the checks inside a flash kernel
+
+With protection on, `attention_core` runs flash attention on a Hopper GPU (`ops.flash_attention`), with
+both of its GEMMs verified inside the kernel: per block of keys, each query row's scores must sum to
+q·ksum, and the output rows must sum to p·vsum. The kernel writes, per row, the ratio of each
+difference to its rounding bound; a row above 1 was hit by a fault, and the core reruns the kernel.
+Elsewhere `flash=True` runs the same checks through the kernel's XLA reference, as here on a CPU.""",
+    ),
+    (
+        "code",
+        """from pimlayers import layers as L, ops
+
+b, t, h, kv, d = (1, 256, 4, 2, 64) if SMALL else (1, 2048, 8, 2, 128)
+kq, kk, kv_ = jax.random.split(jax.random.key(2), 3)
+q = jax.random.normal(kq, (b, t, h, d)).astype(jnp.bfloat16)
+k = jax.random.normal(kk, (b, t, kv, d)).astype(jnp.bfloat16)
+v = jax.random.normal(kv_, (b, t, kv, d)).astype(jnp.bfloat16)
+flash = ops.flash_attention if ops._fused_gemm.hopper() else ops.flash_attention_reference
+_, _, clean_checks = flash(q, k, v)
+# One exponent flip in a score of head 1, row t // 2, and one in the output accumulator of head 1, row t // 4.
+sb, sk, ob, oc = (np.array(a) for a in ops.FlashFaults.none(b, h, t))
+sb[0, 1, t // 2], sk[0, 1, t // 2] = 27, t // 3
+ob[0, 1, t // 4], oc[0, 1, t // 4] = 27, 5
+_, _, hit = flash(q, k, v, ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc))))
+fig, axes = plt.subplots(1, 2, figsize=(10, 3), sharey=True)
+for ax, name in zip(axes, ("scores", "out")):
+    ax.semilogy(np.maximum(np.asarray(getattr(clean_checks, name))[0, 1], 1e-8), ".", ms=2, label="clean")
+    ax.semilogy(np.minimum(np.asarray(getattr(hit, name))[0, 1], 1e9), "x", ms=4, label="one flipped bit")
+    ax.axhline(1.0, color="k", lw=0.8); ax.set_xlabel("query row (head 1)"); ax.set_title(f"{name} check")
+axes[0].set_ylabel("|difference| / bound"); axes[0].legend(); plt.tight_layout(); plt.show()""",
+    ),
+    (
+        "code",
+        """# The layer: the same kind of fault, at random sites of the scores GEMM, detected and recomputed.
+out_clean, _ = L.attention_core(q, k, v, flash=True)
+f = GemmFaults.random(jax.random.key(3), (b * h * t, t), sites=4, bit=30)
+run = jax.jit(lambda q, k, v, f: L.attention_core(q, k, v, flash=True, faults={"scores": f}))
+out, report = run(q, k, v, f)
+print(report.summary())
+diff = jnp.abs(out.astype(jnp.float32) - out_clean.astype(jnp.float32))
+print("max |out - clean|:", float(jnp.max(diff)))""",
+    ),
     ("md", "## One line for an existing model: `pimlayers.protect`"),
     (
         "code",

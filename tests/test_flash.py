@@ -271,3 +271,12 @@ def test_flash_path_under_vmap_equals_one_call_per_example():
         np.testing.assert_array_equal(
             np.asarray(batched[i], np.float32), np.asarray(f(q[i], k[i], v[i]), np.float32)
         )
+
+
+def test_ratios_say_how_far_past_the_bound_and_nan_is_worst():
+    q, k, v = _qkv(seed=13)
+    _, _, checks = ops.flash_attention_reference(q, k, v, _faults([("scores", 0, 2, 40, 27, 9)]))
+    r = float(checks.scores[0, 2, 40])
+    assert 1.0 < r < 1e30  # a finite ratio: how far past the bound, not just "failed"
+    _, _, nan = ops.flash_attention_reference(q.at[1, 5, 3, 0].set(jnp.nan), k, v)
+    assert float(nan.scores[1, 3, 5]) == float(nan.out[1, 3, 5]) == pytest.approx(ops._flash._BAD)

@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 CS = 8  # rows of a checksum tile: hi, lo (the value tile: then ones), zeros to wgmma's smallest N
-_BAD = 3.0e38  # the ratio written for a difference that is NaN/Inf or beyond any bound
+_BAD = 3.0e38  # the ratio written for a NaN/Inf difference
 _LOG2E = math.log2(math.e)
 
 
@@ -182,10 +182,11 @@ def flash_bounds(q, k, v, *, lam: float, config: FlashConfig | None = None):
 
 
 def _ratio(diff, tol):
-    # NaN/Inf differences fail the `<=` and are written as _BAD; so is anything past the bound by
-    # more than f32 can say. A zero bound (a zero row) passes only an exact zero difference.
-    a = jnp.abs(diff)
-    return jnp.where(a <= tol, a / jnp.maximum(tol, 1e-30), _BAD)
+    # |diff| / tol, kept for rows past the bound too (how far past is worth reporting). NaN and Inf
+    # fail the `<=` and are written as _BAD, so a later max cannot drop them. A zero bound (a zero
+    # row) passes only an exact zero difference.
+    r = jnp.abs(diff) / jnp.maximum(tol, 1e-30)
+    return jnp.where(r <= _BAD, r, _BAD)
 
 
 def _flip(x, bit, sel):
