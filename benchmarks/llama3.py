@@ -32,11 +32,21 @@ def run(
     dtype: str = "bfloat16",
     flip_every: int = 5,
     fused: bool = False,
+    cudnn_peer: bool | None = None,
 ) -> list[dict]:
+    """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
+    kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
+    library's own unprotected step keeps XLA's materialised attention. ``on_over_off`` stays
+    against the latter; ``on_over_cudnn`` is against the former."""
     n = devices or len(jax.devices())
+    if cudnn_peer is None:
+        cudnn_peer = jax.default_backend() == "gpu"
     rows: list[dict] = []
-    # (protect, fused): off, on; with ``fused`` also on with the fused forward GEMM, in the same run.
-    for protect, fz in ((False, False), (True, False)) + (((True, True),) if fused else ()):
+    # (protect, fused, flash): off; off with cuDNN's attention; on; with ``fused`` also on with the
+    # fused forward GEMM, in the same run.
+    configs = [(False, False, "auto")] + ([(False, False, "on")] if cudnn_peer else [])
+    configs += [(True, False, "auto")] + ([(True, True, "auto")] if fused else [])
+    for protect, fz, flash in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = TrainConfig(
                 config=config,
@@ -54,6 +64,7 @@ def run(
                 lr=3e-4,
                 protect=protect,
                 fused=fz,
+                flash=flash,
                 flip_every=flip_every if protect else 0,
                 gemm_fault_rate=0.2 if protect else 0.0,
                 nan_rate=0.0,
@@ -67,6 +78,7 @@ def run(
                 "config": f"{config} x{s['layers']} layers",
                 "protect": protect,
                 "fused": fz if protect else None,
+                "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
                 "shape": f"B={cfg.batch} T={seq} {dtype}",
@@ -91,11 +103,34 @@ def run(
             }
         )
     off = next(r for r in rows if not r["protect"])
+    cudnn = next((r for r in rows if r["attention"] in ("cuDNN", "jax (XLA)")), None)
     for r in rows:
         r["on_over_off"] = r["tokens_per_s"] / off["tokens_per_s"]
+        if cudnn is not None:
+            r["on_over_cudnn"] = r["tokens_per_s"] / cudnn["tokens_per_s"]
     return rows
 
 
-def quick() -> list[dict]:
+def _attention_label(protect: bool, flash: str) -> str:
+    """What the step's attention ran (layers.attention_core's choice for this machine)."""
+    from pimlayers.ops._fused_gemm import hopper
+
+    if protect:
+        return "verified flash" if hopper() else "materialised, verified"
+    if flash == "on":
+        return "cuDNN" if jax.default_backend() == "gpu" else "jax (XLA)"
+    return "materialised"
+
+
+def quick(cudnn_peer: bool | None = None) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
-    return run(layers=1, steps=3, devices=1, seq=64, config="llama3_tiny", dtype="float32", flip_every=1)
+    return run(
+        layers=1,
+        steps=3,
+        devices=1,
+        seq=64,
+        config="llama3_tiny",
+        dtype="float32",
+        flip_every=1,
+        cudnn_peer=cudnn_peer,
+    )

@@ -83,7 +83,9 @@ optimizer, encode on write) with faults injected: parameter bit flips every 5 st
 out); MFU = step FLOPs (6 per weight per token plus causal attention) / (devices x 989 TFLOP/s);
 `on_over_off` = protected / unprotected tokens/s; `peak_gb` is device 0's peak allocation. The model's
 attention is `layers.attention_core`: unprotected, XLA's materialised attention (not cuDNN); protected on
-a Hopper GPU (since 2026-12-01, the `4layers-flash` files), the verified flash kernel's forward.
+a Hopper GPU (since 2026-12-01, the `4layers-flash` files), the verified flash kernel's forward. Newer
+runs name it in an `attention` column and, on a GPU, add an unprotected step with cuDNN's flash
+attention (`--flash on`), the plain-JAX peer of the performance goal: `on_over_cudnn` is against it.
 
 Reading the peers table (Hopper only): the kernels a protected kernel with its checks fused in would
 be built on, against what the library already calls, side by side in one run. GEMM rows: XLA

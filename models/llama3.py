@@ -113,14 +113,23 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig:
 
 
 class DecoderBlock(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, policy: FaultPolicy | None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        *,
+        dtype,
+        param_dtype,
+        policy: FaultPolicy | None,
+        flash: bool | None = None,
+        rngs: nnx.Rngs,
+    ):
         init = nnx.initializers.normal(cfg.init_std)
         norm = dict(epsilon=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, policy=policy, style="llama")
         self.input_layernorm = pnnx.RMSNorm(cfg.dim, rngs=rngs, **norm)
         self.self_attn = pnnx.Attention(
             cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.hd, rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling, dtype=dtype, param_dtype=param_dtype, kernel_init=init,
-            policy=policy, rngs=rngs,
+            policy=policy, flash=flash, rngs=rngs,
         )  # fmt: skip
         self.post_attention_layernorm = pnnx.RMSNorm(cfg.dim, rngs=rngs, **norm)
         self.mlp = pnnx.LlamaMLP(
@@ -148,7 +157,9 @@ class Llama3(nnx.Module):
 
     ``dtype`` is the compute dtype (e.g. bf16), ``param_dtype`` the storage dtype; ``policy`` reaches
     every layer; ``remat`` rematerialises each block in the backward pass (activation memory of one
-    block instead of all). With ``cache`` (from `init_cache`), returns ``(logits, cache)``.
+    block instead of all); ``flash`` is every attention's choice of a flash kernel
+    (:func:`pimlayers.layers.attention_core`: None = the verified kernel where it applies, True with
+    protection off = cuDNN's). With ``cache`` (from `init_cache`), returns ``(logits, cache)``.
     """
 
     def __init__(
@@ -159,6 +170,7 @@ class Llama3(nnx.Module):
         param_dtype=jnp.float32,
         policy: FaultPolicy | None = None,
         remat: bool = False,
+        flash: bool | None = None,
         rngs: nnx.Rngs,
     ):
         if not isinstance(cfg, LlamaConfig):
@@ -175,7 +187,7 @@ class Llama3(nnx.Module):
             embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs,
         )  # fmt: skip
         kw = dict(dtype=dtype, param_dtype=param_dtype, policy=policy, rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(cfg, **kw) for _ in range(cfg.n_layers)])
+        self.layers = nnx.List([DecoderBlock(cfg, flash=flash, **kw) for _ in range(cfg.n_layers)])
         self.norm = pnnx.RMSNorm(
             cfg.dim, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, policy=policy,
             style="llama", rngs=rngs,

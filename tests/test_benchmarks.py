@@ -60,12 +60,15 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     from benchmarks import llama3
 
     with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
-        rows = {r["protect"]: r for r in llama3.quick()}
-    on, off = rows[True], rows[False]
-    assert off["flips_injected"] == 0 and on["flips_injected"] > 0
+        rows = {(r["protect"], r["attention"]): r for r in llama3.quick(cudnn_peer=True)}
+    on, off = rows[True, "materialised, verified"], rows[False, "materialised"]
+    peer = rows[False, "jax (XLA)"]  # --flash on, unprotected: cuDNN's kernel on a GPU
+    assert off["flips_injected"] == 0 and peer["flips_injected"] == 0 and on["flips_injected"] > 0
     assert on["banks_repaired"] > 0 and on["uncorrectable"] == 0
     assert on["gemm_corrected"] >= on["gemm_injected"]
-    assert on["tokens_per_s"] > 0 and off["on_over_off"] == 1.0
+    assert on["tokens_per_s"] > 0 and off["on_over_off"] == 1.0 and peer["on_over_cudnn"] == 1.0
+    # Same data, same initialisation: the peer's attention is the same function, computed another way.
+    assert abs(peer["final_loss"] - off["final_loss"]) < 1e-3 * abs(off["final_loss"])
 
 
 def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):

@@ -208,10 +208,27 @@ def test_backward_faults_are_corrected_and_reported_through_the_tap(gemm, which)
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), atol=2e-2)
 
 
+def test_flash_with_protection_off_is_jax_attention():
+    # The fast unprotected peer: jax.nn.dot_product_attention (cuDNN's kernel on a GPU).
+    q, k, v = _qkv(seed=14)
+    for causal in (True, False):
+        out, r = L.attention_core(q, k, v, policy=FaultPolicy.off(), flash=True, causal=causal)
+        with jax.numpy_dtype_promotion("standard"):
+            ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+        assert r.to_dict() == r.zeros().to_dict()
+    # Off with gates: a NaN input's output rows are gated and counted.
+    gated = FaultPolicy(mode="off", gate=True)
+    out, r = L.attention_core(q.at[0, 3, 1, 0].set(jnp.nan), k, v, policy=gated, flash=True)
+    assert bool(jnp.all(jnp.isfinite(out))) and r.to_dict()["nonfinite_gated"] == D
+    with pytest.raises(ValueError, match="T == S"):
+        L.attention_core(q, k[:, :128], v[:, :128], policy=FaultPolicy.off(), flash=True)
+    with pytest.raises(ValueError, match="mask must be None"):
+        L.attention_core(q, k, v, policy=FaultPolicy.off(), flash=True, mask=jnp.ones((1, 1, T, T), bool))
+
+
 def test_flash_errors_name_the_obstacle():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="protection is off"):
-        L.attention_core(q, k, v, policy=FaultPolicy(mode="off"), flash=True)
     with pytest.raises(ValueError, match="mask must be None"):
         L.attention_core(q, k, v, policy=POLICY, flash=True, mask=jnp.ones((1, 1, T, T), bool))
     with pytest.raises(ValueError, match="bf16"):
@@ -280,3 +297,28 @@ def test_ratios_say_how_far_past_the_bound_and_nan_is_worst():
     assert 1.0 < r < 1e30  # a finite ratio: how far past the bound, not just "failed"
     _, _, nan = ops.flash_attention_reference(q.at[1, 5, 3, 0].set(jnp.nan), k, v)
     assert float(nan.scores[1, 3, 5]) == float(nan.out[1, 3, 5]) == pytest.approx(ops._flash._BAD)
+
+
+def test_the_front_ends_pass_flash_through():
+    import equinox as eqx
+    from flax import nnx
+
+    from pimlayers.equinox import Attention as EqxAttention
+    from pimlayers.flax import linen as plinen
+    from pimlayers.flax import nnx as pnnx
+
+    off = FaultPolicy.off()
+    x = jax.random.normal(jax.random.key(15), (2, 16, 32))
+    a, b_ = (pnnx.Attention(32, 4, 2, policy=off, flash=f, rngs=nnx.Rngs(0)) for f in (None, True))
+    y_mat, y_flash = a(x), b_(x)
+    np.testing.assert_allclose(np.asarray(y_flash), np.asarray(y_mat), rtol=1e-5, atol=1e-5)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    params = {n: {"kernel": getattr(a, n).kernel[...]} for n in names}
+    y_linen = plinen.Attention(32, 4, 2, policy=off, flash=True).apply({"params": params}, x)
+    np.testing.assert_allclose(np.asarray(y_linen), np.asarray(y_mat), rtol=1e-5, atol=1e-5)
+    e = EqxAttention(32, 4, 2, key=jax.random.key(0), policy=off, flash=True)
+    e = eqx.tree_at(
+        lambda t: [getattr(t, n).weight for n in names], e, [params[n]["kernel"].T for n in names]
+    )
+    y_eqx = jax.vmap(e)(x)
+    np.testing.assert_allclose(np.asarray(y_eqx), np.asarray(y_mat), rtol=1e-5, atol=1e-5)

@@ -72,6 +72,9 @@ class TrainConfig:
     link_fault_rate: float = 0.0  # needs the model's attention routed over the sequence (not wired yet)
     protect: bool = True  # False: stock arithmetic, no store (the comparison run)
     fused: bool = False  # FaultPolicy.fused: the fused forward GEMM where it runs (Hopper, bf16)
+    # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
+    # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
+    flash: str = "auto"
     out_dir: str = "runs/llama3"
     ckpt_every: int = 0  # 0: no checkpoints
     resume: bool = False
@@ -81,6 +84,9 @@ class TrainConfig:
     process_id: int | None = None
     baseline: bool = False  # also train without faults/protection and plot both curves
     quiet: bool = False
+
+
+_FLASH = {"auto": None, "on": True, "off": False}  # --flash -> layers.attention_core's flash
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -97,6 +103,8 @@ def parse_args(argv=None) -> TrainConfig:
     cfg = TrainConfig(**vars(ap.parse_args(argv)))
     if cfg.config not in CONFIGS:
         ap.error(f"--config {cfg.config}: expected one of {sorted(CONFIGS)}")
+    if cfg.flash not in _FLASH:
+        ap.error(f"--flash {cfg.flash}: expected one of {sorted(_FLASH)}")
     if cfg.link_fault_rate > 0:
         ap.error(
             "--link-fault-rate: the training script does not route its attention yet (pimlayers.routing."
@@ -169,8 +177,16 @@ def train(cfg: TrainConfig) -> dict:
     # that turns a value of 2 into 0 would pass as rounding; per 128 columns it is ~0.2.
     policy = FaultPolicy(block_n=128, fused=cfg.fused) if cfg.protect else FaultPolicy.off()
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    if cfg.flash not in _FLASH:
+        raise ValueError(f"TrainConfig.flash={cfg.flash!r}; expected one of {sorted(_FLASH)}")
     model = Llama3(
-        model_cfg, dtype=dtype, param_dtype=pdtype, policy=policy, remat=cfg.remat, rngs=nnx.Rngs(cfg.seed)
+        model_cfg,
+        dtype=dtype,
+        param_dtype=pdtype,
+        policy=policy,
+        remat=cfg.remat,
+        flash=_FLASH[cfg.flash],
+        rngs=nnx.Rngs(cfg.seed),
     )
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
     model.activation_sharding = batch_sharding

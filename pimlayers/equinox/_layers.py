@@ -168,10 +168,11 @@ class Attention(eqx.Module):
     rope_theta: float = eqx.field(static=True)
     rope_scaling: L.Llama31Scaling | None = eqx.field(static=True)
     policy: FaultPolicy = eqx.field(static=True)
+    flash: bool | None = eqx.field(static=True)  # layers.attention_core's choice of a flash kernel
 
     def __init__(self, features: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None, *,
                  rope_theta: float = 500000.0, rope_scaling: L.Llama31Scaling | None = None, dtype=None, key,
-                 policy: FaultPolicy | None = None):  # fmt: skip
+                 policy: FaultPolicy | None = None, flash: bool | None = None):  # fmt: skip
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"pimlayers.equinox.Attention: num_heads={num_heads} is not a multiple of "
@@ -187,6 +188,7 @@ class Attention(eqx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, hd
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.policy = FaultPolicy() if policy is None else policy
+        self.flash = flash
 
     def with_report(
         self, x: jax.Array, positions=None, cache: L.KVCache | None = None, *, key=None, tap=None
@@ -202,7 +204,7 @@ class Attention(eqx.Module):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             inv_freq=L.rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling),
             positions=None if positions is None else positions[None], cache=cache, policy=self.policy,
-            layout="oi", faults=self.faults, tap=tap, name="pimlayers.equinox.Attention",
+            layout="oi", faults=self.faults, tap=tap, flash=self.flash, name="pimlayers.equinox.Attention",
         )  # fmt: skip
         return (y[0], report) if cache is None else (y[0], new_cache, report)
 

@@ -131,6 +131,7 @@ class Attention(nn.Module):
     param_dtype: tp.Any = jnp.float32
     kernel_init: tp.Callable = default_kernel_init
     policy: FaultPolicy = FaultPolicy()
+    flash: bool | None = None  # layers.attention_core's choice of a flash kernel
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array | None = None, cache: L.KVCache | None = None):
@@ -142,7 +143,7 @@ class Attention(nn.Module):
             x, kernel("q_proj", (e, h * hd)), kernel("k_proj", (e, kv * hd)), kernel("v_proj", (e, kv * hd)),
             kernel("o_proj", (h * hd, e)), num_heads=h, num_kv_heads=kv, head_dim=hd,
             inv_freq=L.rope_frequencies(hd, self.rope_theta, self.rope_scaling), positions=positions,
-            cache=cache, policy=self.policy, dtype=self.dtype, faults=_sites(self),
+            cache=cache, policy=self.policy, dtype=self.dtype, faults=_sites(self), flash=self.flash,
             name="pimlayers.flax.linen.Attention",
         )  # fmt: skip
         _sow(self, report)

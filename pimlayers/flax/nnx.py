@@ -300,6 +300,7 @@ class Attention(_Protected):
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         policy: FaultPolicy | None = None,
+        flash: bool | None = None,
         rngs: nnx.Rngs,
     ):
         head_dim = features // num_heads if head_dim is None else head_dim
@@ -322,6 +323,7 @@ class Attention(_Protected):
             head_dim,
         )
         self.rope_theta, self.rope_scaling, self.dtype = rope_theta, rope_scaling, dtype
+        self.flash = flash  # layers.attention_core's choice of a flash kernel
         self._init_faults(policy)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None, cache: L.KVCache | None = None):
@@ -331,7 +333,8 @@ class Attention(_Protected):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             inv_freq=L.rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling),
             positions=positions, cache=cache, policy=self.policy, dtype=self.dtype,
-            faults=self.fault_sites.get_value(), tap=self.fault_tap[...], name="pimlayers.flax.nnx.Attention",
+            faults=self.fault_sites.get_value(), tap=self.fault_tap[...], flash=self.flash,
+            name="pimlayers.flax.nnx.Attention",
         )  # fmt: skip
         self._record(report)
         return y if cache is None else (y, new_cache)

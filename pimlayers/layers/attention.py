@@ -93,7 +93,9 @@ def attention_core(
     and the arrays are one device's (a single device, or inside a ``shard_map`` over every mesh
     axis: XLA cannot partition the kernel, and would gather sharded inputs to every device); False
     never; True requires it (ValueError naming what stands in the way) and, off a Hopper GPU, runs
-    the kernel's XLA reference through the same checks, recompute and report (for tests).
+    the kernel's XLA reference through the same checks, recompute and report (for tests). With
+    protection off, True runs ``jax.nn.dot_product_attention`` instead (cuDNN's flash attention on
+    a GPU, unchecked): a fast unprotected peer; None keeps the stock layer's materialised arithmetic.
     """
     policy = policy_or_default(policy)
     faults = dict(faults or {})
@@ -109,6 +111,13 @@ def attention_core(
         raise TypeError(f"{name}: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; expected one dtype")
     g = h // kvh
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if flash and not policy.enabled:
+        # Protection off: the stock flash attention (cuDNN's kernel on a GPU, XLA's elsewhere).
+        why_not = _layout_obstacle(q, k, q_positions, kv_length, mask, causal)
+        if why_not:
+            raise ValueError(f"{name}: flash=True, but {why_not}")
+        with jax.named_scope(name):
+            return _unverified_flash(q, k, v, scale, causal, policy)
     why_not = _flash_obstacle(q, k, policy, q_positions, kv_length, mask, causal)
     if flash and why_not:
         raise ValueError(f"{name}: flash=True, but {why_not}")
@@ -159,14 +168,40 @@ def _per_device() -> bool:
     return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
 
 
-def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, causal: bool) -> str:
-    """Why the flash path does not apply ("" when it does)."""
-    if not policy.enabled:
-        return f"protection is off (mode {policy.mode!r}): the flash kernel's checks are its protection"
+def _layout_obstacle(q, k, q_positions, kv_length, mask, causal: bool) -> str:
+    """Why a flash kernel cannot take this call's positions and masks ("" when it can)."""
     if q_positions is not None or kv_length is not None or mask is not None:
         return (
             "q_positions, kv_length and mask must be None (queries at the keys' positions, no cache or mask)"
         )
+    if causal and q.shape[1] != k.shape[1]:
+        return f"causal attention needs T == S here; got T = {q.shape[1]}, S = {k.shape[1]}"
+    return ""
+
+
+def _unverified_flash(q, k, v, scale: float, causal: bool, policy: FaultPolicy):
+    """Protection off, flash requested: ``jax.nn.dot_product_attention`` (cuDNN's flash attention on
+    a GPU for bf16/f16, XLA's elsewhere), nothing checked; gated if the policy gates."""
+    gpu = jax.default_backend() == "gpu"
+    impl = "cudnn" if gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
+    # jax's own XLA implementation promotes bf16 with f32 internally: allowed here even when a
+    # caller runs with strict dtype promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation=impl)
+    report = FaultReport.zeros()
+    if policy.gate:
+        out, counts = gate(out, fill=policy.gate_fill, limit=policy.gate_limit)
+        report = FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
+    return out, report
+
+
+def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, causal: bool) -> str:
+    """Why the verified flash path does not apply ("" when it does)."""
+    if not policy.enabled:
+        return f"protection is off (mode {policy.mode!r}): the flash kernel's checks are its protection"
+    why = _layout_obstacle(q, k, q_positions, kv_length, mask, causal)
+    if why:
+        return why
     if q.dtype != jnp.bfloat16:
         return f"q has dtype {q.dtype}; the kernel's checksums are bf16"
     if not flash_supported(q.shape, k.shape, q.dtype, causal):
