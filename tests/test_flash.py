@@ -239,7 +239,7 @@ def test_flash_errors_name_the_obstacle():
 def test_default_is_materialised_off_hopper():
     q, k, v = _qkv()
     if ops._fused_gemm.hopper():
-        pytest.skip("on a Hopper GPU the default takes the kernel (tests/test_gpu.py)")
+        pytest.skip("on a Hopper GPU the default takes the kernel (tests/test_gpu_flash.py)")
     o1, _ = L.attention_core(q, k, v, policy=POLICY)
     o2, _ = L.attention_core(q, k, v, policy=POLICY, flash=False)
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
