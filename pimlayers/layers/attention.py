@@ -38,7 +38,7 @@ from ..ops import (
     zero_tap,
 )
 from ..ops._fused_gemm import hopper
-from ..ops._protected_matmul import REPORT_FIELDS
+from ..ops._protected_matmul import _to_tap
 from ._common import check_features, policy_or_default, stock
 from .linear import linear
 from .rope import apply_rope
@@ -340,9 +340,7 @@ def _flash_vjp_bwd(scale, causal, policy, reference, res, cts):
     dk = dkt.transpose(0, 3, 1, 2)  # (B, KV, D, S) -> (B, S, KV, D)
     dv = dv.transpose(0, 2, 1, 3)  # (B, KV, S, D) -> (B, S, KV, D)
     zero = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
-    report = r_s + r_pv + r_sc
-    dtap = jnp.stack([getattr(report, f).astype(jnp.float32) for f in REPORT_FIELDS])
-    return dq, dk, dv, zero(ff), zero(bwd_faults), dtap
+    return dq, dk, dv, zero(ff), zero(bwd_faults), _to_tap(r_s + r_pv + r_sc)
 
 
 _flash_vjp.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
