@@ -9,8 +9,9 @@ positions, no mask or partly filled cache), the forward pass instead runs
 :func:`pimlayers.ops.flash_attention`: flash attention with both GEMMs' checksums verified inside the
 kernel, the scores never materialised; a detected fault reruns the kernel. Its backward pass starts
 from the forward's output and logsumexp: the scores are recomputed by one checked GEMM and the
-probabilities read off the logsumexp, then the four backward GEMMs are checked as the materialised
-path's are. That backward still materialises the (T, S) scores: no flash backward kernel yet.
+probabilities read off the logsumexp: on a Hopper GPU by the flash backward kernels
+(:func:`pimlayers.ops.flash_attention_bwd`, all seven of their GEMMs checked inside them, a
+detected fault reruns them), elsewhere materialised, its GEMMs checked as the materialised path's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from ..faults import FaultPolicy, FaultReport, GemmFaults
 from ..ops import (
     FlashFaults,
     flash_attention,
+    flash_attention_bwd,
+    flash_attention_bwd_reference,
     flash_attention_reference,
+    flash_bwd_supported,
     flash_supported,
     gate,
     protected_bmm,
@@ -244,50 +248,74 @@ def _flash_faults(scores: GemmFaults | None, pv: GemmFaults | None, b: int, h: i
     return FlashFaults(sb, sk, ob, oc)
 
 
-def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy, reference: bool):
-    """The kernel, its checks turned into a FaultReport, and a rerun (a loop of 0 or 1 trips) when
-    any row failed and the policy corrects. Counts are per (batch, KV head) GEMM, as
-    ``protected_bmm`` counts the materialised path's."""
-    kernel = flash_attention_reference if reference else flash_attention
-    b, kvh = q.shape[0], k.shape[2]
-    out, lse, ch = kernel(q, k, v, ff, causal=causal, scale=scale, lam=policy.lam)
-
-    def groups(ch):  # (2, B, KV): which GEMMs (scores, out) of each group had a failing row
-        bad = jnp.stack([~(ch.scores <= 1.0), ~(ch.out <= 1.0)])  # NaN counts as failing
-        return jnp.any(bad.reshape(2, b, kvh, -1), axis=-1)
-
-    bad = groups(ch)
-    detected = jnp.sum(bad, dtype=jnp.int32)
-    n = 2 * b * kvh
+def _run_checked(run, inputs: tuple, faults, groups, n: int, policy: FaultPolicy, gate_first: bool = False):
+    """``run(*inputs, faults)`` -> (outputs, checks), its GEMMs checked inside the kernels; ``groups``
+    turns the checks into one flag per checked GEMM (True: a row failed). When any failed and the
+    policy corrects, the kernels rerun, fault-free (injected faults model transient errors): a loop
+    of 0 or 1 trips. ``gate_first`` gates the rerun's first output's non-finite values. Counts are
+    per (batch, KV head) GEMM, as ``protected_bmm`` counts the materialised path's."""
+    outs, ch = run(*inputs, faults)
+    detected = jnp.sum(groups(ch), dtype=jnp.int32)
     if not (policy.corrects and policy.recompute):
-        return out, lse, FaultReport(gemm_checked=n, gemm_detected=detected, gemm_uncorrectable=detected)
+        return outs, FaultReport(gemm_checked=n, gemm_detected=detected, gemm_uncorrectable=detected)
 
     def redo(carry):
-        # The barrier keeps XLA from reusing the first call's results: a real rerun, fault-free
-        # (injected faults model transient errors).
-        q2, k2, v2 = lax.optimization_barrier((q, k, v))
-        out2, lse2, ch2 = kernel(q2, k2, v2, causal=causal, scale=scale, lam=policy.lam)
-        still = groups(ch2)
+        # The barrier keeps XLA from reusing the first call's results: a real rerun.
+        outs2, ch2 = run(*lax.optimization_barrier(inputs), None)
         gated = jnp.int32(0)
-        if policy.gate:
-            out2, counts = gate(out2, fill=policy.gate_fill, limit=policy.gate_limit)
-            gated = jnp.sum(counts, dtype=jnp.int32)
-        return out2, lse2, jnp.sum(still, dtype=jnp.int32), gated, jnp.int32(n), jnp.bool_(False)
+        if gate_first and policy.gate:
+            first, counts = gate(outs2[0], fill=policy.gate_fill, limit=policy.gate_limit)
+            outs2, gated = (first, *outs2[1:]), jnp.sum(counts, dtype=jnp.int32)
+        return outs2, jnp.sum(groups(ch2), dtype=jnp.int32), gated, jnp.int32(n), jnp.bool_(False)
 
-    init = (out, lse, detected, jnp.int32(0), jnp.int32(0), detected > 0)
-    out, lse, still, gated, recomputed, _ = lax.while_loop(lambda c: c[-1], redo, init)
-    return (
-        out,
-        lse,
-        FaultReport(
-            gemm_checked=n,
-            gemm_detected=detected,
-            gemm_corrected=detected - still,
-            gemm_recomputed=recomputed,
-            gemm_uncorrectable=still,
-            nonfinite_gated=gated,
-        ),
+    init = (outs, detected, jnp.int32(0), jnp.int32(0), detected > 0)
+    outs, still, gated, recomputed, _ = lax.while_loop(lambda c: c[-1], redo, init)
+    report = FaultReport(
+        gemm_checked=n,
+        gemm_detected=detected,
+        gemm_corrected=detected - still,
+        gemm_recomputed=recomputed,
+        gemm_uncorrectable=still,
+        nonfinite_gated=gated,
     )
+    return outs, report
+
+
+def _failing(rows: list, b: int, kvh: int):
+    """Per-row ratios (each (B, H, T) or (B, KV, S)) -> (len(rows), B, KV): which GEMM of each
+    (batch, KV head) group had a failing row. NaN counts as failing."""
+    return jnp.stack([jnp.any(~(r <= 1.0).reshape(b, kvh, -1), axis=-1) for r in rows])
+
+
+def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy, reference: bool):
+    """The kernel, its checks turned into a FaultReport, and a rerun when any row failed."""
+    kernel = flash_attention_reference if reference else flash_attention
+    b, kvh = q.shape[0], k.shape[2]
+
+    def run(q, k, v, ff):
+        out, lse, ch = kernel(q, k, v, ff, causal=causal, scale=scale, lam=policy.lam)
+        return (out, lse), ch
+
+    groups = lambda ch: _failing([ch.scores, ch.out], b, kvh)
+    (out, lse), report = _run_checked(run, (q, k, v), ff, groups, 2 * b * kvh, policy, gate_first=True)
+    return out, lse, report
+
+
+def _flash_backward(
+    q, k, v, out, lse, dout, scale: float, causal: bool, policy: FaultPolicy, faults=None, reference=False
+):
+    """The verified backward kernels (seven GEMMs per (batch, KV head), checked inside them), their
+    checks turned into a FaultReport, and a rerun of both kernels when any row failed. ``faults``
+    (FlashBwdFaults) and ``reference`` (XLA standing in for the kernels): for tests."""
+    b, kvh = q.shape[0], k.shape[2]
+    kernel = flash_attention_bwd_reference if reference else flash_attention_bwd
+
+    def run(q, k, v, out, lse, dout, faults):
+        dq, dk, dv, ch = kernel(q, k, v, out, lse, dout, faults, causal=causal, scale=scale, lam=policy.lam)
+        return (dq, dk, dv), ch
+
+    groups = lambda ch: _failing(list(ch), b, kvh)
+    return _run_checked(run, (q, k, v, out, lse, dout), faults, groups, 7 * b * kvh, policy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -305,16 +333,21 @@ def _flash_vjp_fwd(q, k, v, ff, bwd_faults, tap, scale, causal, policy, referenc
 def _flash_vjp_bwd(scale, causal, policy, reference, res, cts):
     """Attention's backward from the forward's output and logsumexp, every GEMM verified.
 
-    The scores are recomputed (one checked GEMM) and the probabilities read off the saved
-    logsumexp, p = exp(s·scale - lse), so neither the softmax's reductions nor p·v run again (the
-    materialised path's backward recomputes its whole forward); then, as the materialised path's
-    own backward: dp = do·vᵀ and dv = pᵀ·do (checked), δ = rowsum(do ∘ out) (FlashAttention's
-    identity for rowsum(p ∘ dp)), ds = p ∘ (dp - δ)·scale, dq = ds·k and dk = dsᵀ·q (checked).
-    The report of these five GEMMs travels as the tap's gradient.
+    On a Hopper GPU: the flash backward kernels (:func:`pimlayers.ops.flash_attention_bwd`), unless
+    backward faults are injected through ``GemmFaults`` (those name the materialised GEMMs' sites).
+    Otherwise materialised: the scores are recomputed (one checked GEMM) and the probabilities read
+    off the saved logsumexp, p = exp(s·scale - lse), so neither the softmax's reductions nor p·v run
+    again (the materialised path's backward recomputes its whole forward); then, as the
+    materialised path's own backward: dp = do·vᵀ and dv = pᵀ·do (checked), δ = rowsum(do ∘ out)
+    (FlashAttention's identity for rowsum(p ∘ dp)), ds = p ∘ (dp - δ)·scale, dq = ds·k and
+    dk = dsᵀ·q (checked). Either way the report of the GEMMs travels as the tap's gradient.
     """
-    del reference
     q, k, v, out, lse, ff, bwd_faults = res
     dout, _ = cts
+    zero = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+    if not reference and not bwd_faults and flash_bwd_supported(q.shape, k.shape, q.dtype, causal):
+        (dq, dk, dv), report = _flash_backward(q, k, v, out, lse, dout.astype(q.dtype), scale, causal, policy)
+        return dq, dk, dv, zero(ff), zero(bwd_faults), _to_tap(report)
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -339,7 +372,6 @@ def _flash_vjp_bwd(scale, causal, policy, reference, res, cts):
     dq = dqg.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     dk = dkt.transpose(0, 3, 1, 2)  # (B, KV, D, S) -> (B, S, KV, D)
     dv = dv.transpose(0, 2, 1, 3)  # (B, KV, S, D) -> (B, S, KV, D)
-    zero = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
     return dq, dk, dv, zero(ff), zero(bwd_faults), _to_tap(r_s + r_pv + r_sc)
 
 

@@ -22,6 +22,12 @@ from ._flash import FlashFaults as FlashFaults
 from ._flash import flash_attention as flash_attention
 from ._flash import flash_attention_reference as flash_attention_reference
 from ._flash import flash_supported as flash_supported
+from ._flash_bwd import FlashBwdChecks as FlashBwdChecks
+from ._flash_bwd import FlashBwdConfig as FlashBwdConfig
+from ._flash_bwd import FlashBwdFaults as FlashBwdFaults
+from ._flash_bwd import flash_attention_bwd as flash_attention_bwd
+from ._flash_bwd import flash_attention_bwd_reference as flash_attention_bwd_reference
+from ._flash_bwd import flash_bwd_supported as flash_bwd_supported
 from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
 from ._guard import bank_guard as bank_guard

@@ -1,0 +1,956 @@
+"""flash_attention_bwd: attention's backward on Hopper, from the forward's output and logsumexp, with
+all of its GEMMs verified inside the kernels.
+
+Two Pallas Mosaic-GPU kernels, as JAX's ``attention_mgpu`` splits its (non-causal, f16) backward:
+one per block of query rows for dq, one per block of key rows for dk and dv. Each has one TMA
+warpgroup streaming the other side's blocks and two compute warpgroups of 64 rows; this one adds
+causal masking, grouped-query heads (the dk/dv kernel walks the group's query heads itself, so dk
+and dv are summed in f32 inside the kernel), bf16, and the checksums. With p = exp(s·scale - lse),
+δ = rowsum(do ∘ out) and ds = p ∘ (dp - δ):
+
+dq kernel (per query row r, over key blocks j of ``block_kv``):
+
+* s = q·kᵀ and dp = do·vᵀ: each block's row sums against q·ksum_j and do·vsum_j, from the GEMMs'
+  own wgmma (the key and value tiles extended by an 8-row tile [hi, lo, 0 x 6] of their row sums,
+  N = block_kv + 8, as the forward's scores check);
+* dq = ds·k: at the end, dq's row sums against Σ_j ds_j·kd_j (kd = each key row summed over D),
+  accumulated by a small wgmma (N = 8) beside dq's.
+
+dk/dv kernel (per key row c, over the group's query heads and query blocks i of ``block_q``):
+
+* sᵀ = k·qᵀ and dpᵀ = v·doᵀ: row sums against k·qsum_i and v·dosum_i, fused as above;
+* dv = pᵀ·do and dk = dsᵀ·q: at the end, row sums against Σ pᵀ·dod and Σ dsᵀ·qd (dod, qd: each
+  row of do, q summed over D), from small wgmmas; dod's tile carries a row of ones, so the same
+  wgmma gives Σ_q p[q, c], which scales both bounds.
+
+Bounds (``lam`` as :class:`pimlayers.FaultPolicy`'s; u = 2^-24; n = rows summed):
+
+    block checks (s, dp, sᵀ, dpᵀ): u (lam (2 sqrt(D) + sqrt(block) + 2) + 64) |a row|·bmax
+    dq:     u (lam (sqrt(S) + sqrt(D) + 2) + 66) kdmax · A_r,  A_r = (‖do_r‖ vnmax + |δ_r|)(1 + 2^-6)
+    dv, dk: u (lam (sqrt(G T) + sqrt(D) + 2) + 66) (1 + 2^-7) Σ_q p[q, c] · dodmax, resp.
+            · qdmax (‖v_c‖ donmax + δmax)(1 + 2^-6)
+
+bmax is the elementwise maximum over blocks of the block's summed |rows| (so one bound per row serves
+every block), kdmax = max_c Σ_d |k[c, d]|, vnmax = max_c ‖v_c‖₂, and A_r bounds Σ_c |ds[r, c]| a
+priori: Σ_c p[r, c] is 1 (the forward's logsumexp; 2^-8 slack) and |dp| <= ‖do_r‖ ‖v_c‖. The dk bound
+is the same argument over a key's column, whose p sum is not 1 but is measured. The 64 covers the
+hi/lo split of the checksums (2^-18 relative), the 2 the bf16 rounding of p and ds.
+
+Each kernel writes, per row, |difference| / bound of each of its GEMMs (NaN or Inf: _BAD): a row
+above 1 was hit by a fault. :func:`pimlayers.layers.attention_core`'s backward reruns both kernels
+when any row fails and reports it. Bit flips can be injected inside the kernels (``FlashBwdFaults``).
+Reference: ``flash_attention_bwd_reference`` (the same quantities from XLA, materialised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from ._flash import CS, _flip, _load, _ratio, _split, _tile
+from ._fused_gemm import hopper
+
+__all__ = [
+    "FlashBwdChecks",
+    "FlashBwdConfig",
+    "FlashBwdFaults",
+    "flash_attention_bwd",
+    "flash_attention_bwd_reference",
+    "flash_bwd_supported",
+]
+
+_LN2 = math.log(2.0)
+_U = 2.0**-24
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBwdConfig:
+    """Tiling: ``block_q`` query rows per compute warpgroup in the dq kernel and per streamed block in
+    the dk/dv kernel, ``block_kv`` key rows the other way round; ``stages`` blocks in flight. 64/64:
+    JAX's non-causal Pallas backward ran fastest at 64 on an H200 (8.2 ms against 14.9 at 128)."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    stages: int = 2
+
+
+class FlashBwdChecks(NamedTuple):
+    """|checksum difference| / bound per row of each GEMM (> 1: a fault). Query rows (B, H, T) for the
+    dq kernel's GEMMs, key rows (B, KV, S) for the dk/dv kernel's."""
+
+    scores: Float[Array, "b h t"]
+    dp: Float[Array, "b h t"]
+    dq: Float[Array, "b h t"]
+    scores_t: Float[Array, "b kv s"]
+    dp_t: Float[Array, "b kv s"]
+    dv: Float[Array, "b kv s"]
+    dk: Float[Array, "b kv s"]
+
+
+class FlashBwdFaults(NamedTuple):
+    """In-kernel bit flips: per GEMM None (none) or a pair ``(bit, col)`` of int32 arrays, one site per
+    row (bit -1: none). Query-row GEMMs take (B, H, T) arrays, key-row GEMMs (B, KV, S). ``col`` is a
+    key index for ``scores``/``dp``, a query index for ``scores_t``/``dp_t`` (flipped in each query
+    head of the group, as one faulty lane would be reused), a column of D for ``dq``/``dk``/``dv``
+    (flipped in the accumulator after the last step, before the check and the scaling)."""
+
+    scores: tuple | None = None
+    dp: tuple | None = None
+    dq: tuple | None = None
+    scores_t: tuple | None = None
+    dp_t: tuple | None = None
+    dv: tuple | None = None
+    dk: tuple | None = None
+
+
+_Q_GEMMS = ("scores", "dp", "dq")
+_K_GEMMS = ("scores_t", "dp_t", "dv", "dk")
+
+
+def flash_bwd_supported(q_shape, k_shape, dtype, causal: bool, config: FlashBwdConfig | None = None) -> bool:
+    """Whether the kernels take these shapes and dtype (they run on a Hopper GPU only)."""
+    cfg = config or FlashBwdConfig()
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return False
+    b, t, h, d = q_shape
+    b2, s, kv, d2 = k_shape
+    return (
+        jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+        and b == b2
+        and d == d2
+        and d in (64, 128)
+        and kv > 0
+        and h % kv == 0
+        and t > 0
+        and t % (2 * cfg.block_q) == 0
+        and s % (2 * cfg.block_kv) == 0
+        and (not causal or (t == s and (2 * cfg.block_kv) % cfg.block_q == 0))
+    )
+
+
+def _abs_rows(x, n: int):
+    """(B, L, H, D) -> (B, H, L/n, D): each block of n rows' sum, and its sum of |rows|, in f32."""
+    b, rows, h, d = x.shape
+    xf = x.astype(jnp.float32).reshape(b, rows // n, n, h, d)
+    return jnp.sum(xf, axis=2).transpose(0, 2, 1, 3), jnp.sum(jnp.abs(xf), axis=2).transpose(0, 2, 1, 3)
+
+
+def _c_block(lam: float, d: int, n: int) -> float:
+    return _U * (lam * (2 * math.sqrt(d) + math.sqrt(n) + 2) + 64)
+
+
+def _c_sum(lam: float, d: int, n: int) -> float:
+    # 64: the checksums' hi/lo split; 2: the magnitudes' rounding up to bf16 (x (1 + 2^-7)).
+    return _U * (lam * (math.sqrt(n) + math.sqrt(d) + 2) + 64) * (1 + 2.0**-6)
+
+
+def _tile_mag(hi, lo, mag):
+    """(..., n) -> (..., CS, n): rows hi, lo, then ``mag`` rounded to bf16 upwards (x (1 + 2^-7), then
+    to nearest, is at least mag), then zeros."""
+    up = (mag * (1 + 2.0**-7)).astype(hi.dtype)
+    rows = [hi[..., None, :], lo[..., None, :], up[..., None, :]]
+    return jnp.concatenate([*rows, jnp.zeros((*hi.shape[:-1], CS - 3, hi.shape[-1]), hi.dtype)], axis=-2)
+
+
+def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None = None) -> dict:
+    """The checksum tiles and per-row bounds the kernels read, from XLA (all small next to q, k, v).
+
+    Tiles (operands' dtype): ``ks``, ``vs`` (B, KV, S/bk, CS, D) and ``qs``, ``dos`` (B, H, T/bq, CS, D)
+    hi/lo rows of each block's row sum; ``kd`` (B, KV, S/bk, CS, bk), ``qd`` and ``dod``
+    (B, H, T/bq, CS, bq) hi/lo rows of each row summed over D, then its L1 norm. Rows (f32): the block
+    checks' bounds ``tol_s``, ``tol_dp`` (B, H, T) and ``tol_st``, ``tol_dpt`` (B, KV, S). Scalars:
+    ``c_dq``, ``c_kv``, the accumulated checks' factors (times the kernel's measured magnitudes).
+    """
+    cfg = config or FlashBwdConfig()
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g, bq, bk = h // kvh, cfg.block_q, cfg.block_kv
+    # Block sums and |block| sums, materialised before the tiles are built (XLA fused into the
+    # concatenation recomputed them per element in the forward's bounds).
+    ksum, kabs = _abs_rows(k, bk)  # (B, KV, S/bk, D)
+    vsum, vabs = _abs_rows(v, bk)
+    qsum, qabs = _abs_rows(q, bq)  # (B, H, T/bq, D)
+    dosum, doabs = _abs_rows(do, bq)
+    kf, qf, dof = (x.astype(jnp.float32) for x in (k, q, do))
+    kd, qd, dod = (jnp.sum(x, axis=-1) for x in (kf, qf, dof))  # (B, L, heads)
+    k1, q1, do1 = (jnp.sum(jnp.abs(x), axis=-1) for x in (kf, qf, dof))
+    ksum, kabs, vsum, vabs, qsum, qabs, dosum, doabs, kd, qd, dod, k1, q1, do1 = lax.optimization_barrier(
+        (ksum, kabs, vsum, vabs, qsum, qabs, dosum, doabs, kd, qd, dod, k1, q1, do1)
+    )
+
+    def blocks(x, n):  # (B, L, heads) -> (B, heads, L/n, n)
+        return x.transpose(0, 2, 1).reshape(x.shape[0], x.shape[2], -1, n)
+
+    tiles = dict(
+        ks=_tile(*_split(ksum)),
+        vs=_tile(*_split(vsum)),
+        kd=_tile_mag(*_split(blocks(kd, bk)), blocks(k1, bk)),
+        qs=_tile(*_split(qsum)),
+        dos=_tile(*_split(dosum)),
+        qd=_tile_mag(*_split(blocks(qd, bq)), blocks(q1, bq)),
+        dod=_tile_mag(*_split(blocks(dod, bq)), blocks(do1, bq)),
+    )
+    hi = lax.Precision.HIGHEST
+    rep = lambda x: jnp.repeat(x, g, axis=1)  # per KV head -> per query head
+    kmax, vmax = jnp.max(kabs, axis=2), jnp.max(vabs, axis=2)  # (B, KV, D)
+    c_b = _c_block(lam, d, bk)
+    tol_s = c_b * jnp.einsum("bthd,bhd->bht", jnp.abs(q).astype(jnp.float32), rep(kmax), precision=hi)
+    tol_dp = c_b * jnp.einsum("bthd,bhd->bht", jnp.abs(do).astype(jnp.float32), rep(vmax), precision=hi)
+    # Key rows: maxima over the group's query heads and blocks.
+    grp = lambda x: jnp.max(x.reshape(b, kvh, g, *x.shape[2:]), axis=(2, 3))  # (B, H, L, D) -> (B, KV, D)
+    c_q = _c_block(lam, d, bq)
+    tol_st = c_q * jnp.einsum("bskd,bkd->bks", jnp.abs(k).astype(jnp.float32), grp(qabs), precision=hi)
+    tol_dpt = c_q * jnp.einsum("bskd,bkd->bks", jnp.abs(v).astype(jnp.float32), grp(doabs), precision=hi)
+    return tiles | dict(
+        tol_s=tol_s,
+        tol_dp=tol_dp,
+        tol_st=tol_st,
+        tol_dpt=tol_dpt,
+        c_dq=_c_sum(lam, d, s),
+        c_kv=_c_sum(lam, d, g * t),
+    )
+
+
+def _hilo(plgpu, acc8, cols: tuple[int, ...] = (0, 1)):
+    """The sum of an (R, CS) accumulator's given columns, per row."""
+    col = plgpu.broadcasted_iota(jnp.int32, acc8.shape, 1, layout=plgpu.Layout.WGMMA)
+    keep = functools.reduce(lambda a, c: a | (col == c), cols[1:], col == cols[0])
+    return jnp.where(keep, acc8, 0.0).sum(axis=1)
+
+
+def _dq_call(
+    q, k, v, do, rows, tiles, flips, *, causal: bool, c: float, scale: float, checks: bool, c_sum, cfg
+):
+    """dq (and the query-row checks). rows: lse2, δ, then with checks tol_s, tol_dp, all (B, H, T)
+    f32; tiles: ks, vs, kd; flips: {gemm: (bit, col)} for scores, dp, dq; c_sum: the dq check's
+    factor (times Σ |ds|·‖k‖₁, measured)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g, dtype = h // kvh, q.dtype
+    bq, bk = cfg.block_q, cfg.block_kv
+    nb = s // bk
+    stages = min(cfg.stages, nb)
+    kn = bk + CS if checks else bk
+    n_rows = len(rows)
+    names = [n for n in _Q_GEMMS if n in flips]
+    n_in = n_rows + 2 * len(names)
+    wl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    n_t = 3 if checks else 0
+
+    def kernel(refs, scoped):
+        q_ref, k_ref, v_ref, do_ref = refs[:4]
+        row_refs = refs[4 : 4 + n_rows]
+        tile_refs = refs[4 + n_rows : 4 + n_rows + n_t]
+        flip_refs = refs[4 + n_rows + n_t : 4 + n_rows + n_t + 2 * len(names)]
+        dq_ref, *r_refs = refs[4 + n_rows + n_t + 2 * len(names) :]
+        (q2, do2, k_smem, v_smem, kd_smem, rows_f, rows_i), (k_bar, v_bar, in_bar, row_bar), consumed = scoped
+        k_done, v_done = consumed
+        batch, q_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        cta_base = lax.axis_index("q_seq") * (2 * bq)
+        cta_steps = pl.cdiv(cta_base + 2 * bq, jnp.array(bk, jnp.int32)) if causal else nb
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qs, dos = q2.at[wg], do2.at[wg]
+            base = cta_base + wg * bq
+            sl = (batch, pl.ds(base, bq), q_head)
+            plgpu.copy_gmem_to_smem(q_ref.at[sl], qs, in_bar.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[sl], dos, in_bar.at[wg])
+            srcs = list(row_refs) + list(flip_refs)
+            dsts = [rows_f.at[wg, i] for i in range(n_rows)] + [
+                rows_i.at[wg, i] for i in range(2 * len(names))
+            ]
+            for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
+                plgpu.copy_gmem_to_smem(
+                    src.at[batch, q_head, pl.ds(base, bq)], dst, row_bar.at[wg * n_in + i]
+                )
+            plgpu.barrier_wait(in_bar.at[wg])
+            for i in range(n_in):
+                plgpu.barrier_wait(row_bar.at[wg * n_in + i])
+            rv = [_load(plgpu, rows_f.at[wg, i], rl) for i in range(n_rows)]
+            lse2, delta = rv[:2]
+            fl = {
+                n: (_load(plgpu, rows_i.at[wg, 2 * i], rl), _load(plgpu, rows_i.at[wg, 2 * i + 1], rl))
+                for i, n in enumerate(names)
+            }
+
+            def zeros(shape):
+                return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), wl)
+
+            def row0():
+                return plgpu.layout_cast(jnp.full((bq,), 0, jnp.float32), rl)
+
+            bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+
+            def step(j, carry, masked: bool):
+                dq_acc, cacc, aacc, r_s, r_dp = carry
+                slot = lax.rem(j, jnp.array(stages, j.dtype))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def gemms(s_ref, p_ref):
+                    plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(p_ref, dos, v_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...], p_ref[...]
+
+                s_all, dp_all = pl.run_scoped(
+                    gemms, plgpu.ACC((bq, kn), jnp.float32), plgpu.ACC((bq, kn), jnp.float32)
+                )
+                plgpu.barrier_arrive(v_done.at[slot])
+                sc, dp = s_all[:, :bk], dp_all[:, :bk]
+                kv_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wl) + j * bk
+                for n, x in (("scores", "sc"), ("dp", "dp")):
+                    if n in fl:
+                        bit, col = fl[n]
+                        hit = (kv_ids == bcast(col, (bq, bk))) & (bcast(bit, (bq, bk)) >= 0)
+                        if x == "sc":
+                            sc = _flip(sc, bcast(bit, (bq, bk)), hit)
+                        else:
+                            dp = _flip(dp, bcast(bit, (bq, bk)), hit)
+                if checks:
+                    r_s = jnp.maximum(r_s, _ratio(sc.sum(axis=1) - _hilo(plgpu, s_all[:, bk:]), rv[2]))
+                    r_dp = jnp.maximum(r_dp, _ratio(dp.sum(axis=1) - _hilo(plgpu, dp_all[:, bk:]), rv[3]))
+                p = jnp.exp2(sc * c - bcast(lse2, (bq, bk)))
+                if masked:
+                    q_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wl) + base
+                    p = jnp.where(q_ids >= kv_ids, p, 0.0)
+                ds16 = (p * (dp - bcast(delta, (bq, bk)))).astype(dtype)
+
+                def dq_mm(refs):
+                    q_ref_, c_ref, a_ref = refs
+                    plgpu.wgmma(q_ref_, ds16, k_smem.at[slot, pl.ds(0, bk)])
+                    if checks:
+                        # [kd hi, kd lo, ‖k‖₁] per key: ds·kd for the check, |ds|·‖k‖₁ for its bound.
+                        plgpu.wgmma(c_ref, ds16, kd_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(a_ref, jnp.abs(ds16), kd_smem.at[slot].transpose((1, 0)))
+
+                init = lambda x: plgpu.ACC.init(x) if x is not None else None
+                dq_acc, cacc, aacc = pl.run_state(dq_mm)((init(dq_acc), init(cacc), init(aacc)))
+                plgpu.barrier_arrive(k_done.at[slot])
+                return dq_acc, cacc, aacc, r_s, r_dp
+
+            c8 = zeros((bq, CS)) if checks else None
+            carry = (zeros((bq, d)), c8, c8, row0(), row0())
+            if causal:
+                full = lax.div(cta_base, jnp.array(bk, jnp.int32))
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(full, cta_steps, functools.partial(step, masked=True), carry)
+            else:
+                carry = lax.fori_loop(0, nb, functools.partial(step, masked=False), carry)
+            dq_acc, cacc, aacc, r_s, r_dp = carry
+            if "dq" in fl:
+                bit, col = fl["dq"]
+                d_ids = plgpu.broadcasted_iota(jnp.int32, (bq, d), 1, layout=wl)
+                dq_acc = _flip(
+                    dq_acc, bcast(bit, (bq, d)), (d_ids == bcast(col, (bq, d))) & (bcast(bit, (bq, d)) >= 0)
+                )
+            if checks:
+                r_dq = _ratio(dq_acc.sum(axis=1) - _hilo(plgpu, cacc), c_sum * _hilo(plgpu, aacc, (2,)))
+            qs[...] = (dq_acc * scale).astype(dtype)
+            outs = [r_s, r_dp, r_dq] if checks else []
+            for i, r in enumerate(outs):
+                rows_f.at[wg, i][...] = r
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qs, dq_ref.at[sl])
+            for i in range(len(outs)):
+                plgpu.copy_smem_to_gmem(rows_f.at[wg, i], r_refs[i].at[batch, q_head, pl.ds(base, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.array(g, q_head.dtype))
+
+            def load_v(j, slot):
+                plgpu.copy_gmem_to_smem(
+                    v_ref.at[batch, pl.ds(j * bk, bk), kv_head], v_smem.at[slot, pl.ds(0, bk)], v_bar.at[slot]
+                )
+                if checks:
+                    plgpu.copy_gmem_to_smem(
+                        tile_refs[1].at[batch, kv_head, j], v_smem.at[slot, pl.ds(bk, CS)], v_bar.at[slot]
+                    )
+
+            def load_k(j, slot):
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot, pl.ds(0, bk)], k_bar.at[slot]
+                )
+                if checks:
+                    plgpu.copy_gmem_to_smem(
+                        tile_refs[0].at[batch, kv_head, j], k_smem.at[slot, pl.ds(bk, CS)], k_bar.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        tile_refs[2].at[batch, kv_head, j], kd_smem.at[slot], k_bar.at[slot]
+                    )
+
+            for i in range(stages):
+
+                @pl.when(i < cta_steps)
+                def _(i=i):  # pl.when runs it here, inside the loop
+                    load_k(i, i)
+                    load_v(i, i)
+
+            @pl.loop(0, cta_steps - stages)
+            def _(j):
+                slot = lax.rem(j, jnp.array(stages, j.dtype))
+                plgpu.barrier_wait(v_done.at[slot])
+                load_v(j + stages, slot)
+                plgpu.barrier_wait(k_done.at[slot])
+                load_k(j + stages, slot)
+
+    def entry(*refs):
+        tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # q in, dq staged on its way back
+            plgpu.SMEM((2, bq, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, kn, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, kn, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, CS, bk), dtype, transforms=tf) if checks else None,
+            plgpu.SMEM((2, n_rows, bq), jnp.float32),
+            plgpu.SMEM((2, max(2 * len(names), 1), bq), jnp.int32),
+        )
+        bars = (
+            plgpu.Barrier(num_arrivals=3 if checks else 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2 if checks else 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            plgpu.Barrier(num_barriers=2 * n_in),
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(refs, scoped),
+            smem,
+            bars,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+    flat_flips = [a for n in names for a in flips[n]]
+    return plgpu.kernel(
+        entry,
+        out_type=[jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * n_t,
+        grid=(h, t // (2 * bq), b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, do, *rows, *tiles, *flat_flips)
+
+
+def _dkv_call(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    rows,
+    tiles,
+    flips,
+    *,
+    causal: bool,
+    c: float,
+    scale: float,
+    checks: bool,
+    c_sum,
+    cfg,
+):
+    """dk, dv (and the key-row checks). lse2, δ (B, H, T) f32; rows with checks: tol_st, tol_dpt
+    (B, KV, S) f32; tiles: qs, dos, qd, dod; flips: {gemm: (bit, col)} for scores_t, dp_t, dv, dk;
+    c_sum: the dv and dk checks' factor (times Σ p·‖do‖₁, Σ |ds|·‖q‖₁, measured)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g, dtype = h // kvh, q.dtype
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq = t // bq
+    stages = cfg.stages
+    qn = bq + CS if checks else bq
+    n_rows = len(rows)
+    names = [n for n in _K_GEMMS if n in flips]
+    n_in = n_rows + 2 * len(names)
+    wl, rl, cl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    n_t = 4 if checks else 0
+    diag = (2 * bk) // bq  # query blocks that overlap a CTA's keys (causal): the masked ones
+
+    def kernel(refs, scoped):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+        row_refs = refs[6 : 6 + n_rows]
+        tile_refs = refs[6 + n_rows : 6 + n_rows + n_t]
+        flip_refs = refs[6 + n_rows + n_t : 6 + n_rows + n_t + 2 * len(names)]
+        dk_ref, dv_ref, *r_refs = refs[6 + n_rows + n_t + 2 * len(names) :]
+        smem, bars, consumed = scoped
+        k2, v2, q_smem, do_smem, qd_smem, dod_smem, lse_smem, dl_smem, rows_f, rows_i = smem
+        q_bar, do_bar, in_bar, row_bar = bars
+        q_done, do_done = consumed
+        batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        cta_base = lax.axis_index("kv_seq") * (2 * bk)
+        i0 = lax.div(cta_base, jnp.array(bq, jnp.int32)) if causal else 0
+        count = nq - i0  # query blocks per head
+        steps = g * count
+
+        def block_of(n):  # step -> (query head, query block)
+            return kv_head * g + lax.div(n, count), i0 + lax.rem(n, count)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            ks, vs = k2.at[wg], v2.at[wg]
+            base = cta_base + wg * bk
+            sl = (batch, pl.ds(base, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[sl], ks, in_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[sl], vs, in_bar.at[wg])
+            srcs = list(row_refs) + list(flip_refs)
+            dsts = [rows_f.at[wg, i] for i in range(n_rows)] + [
+                rows_i.at[wg, i] for i in range(2 * len(names))
+            ]
+            for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
+                plgpu.copy_gmem_to_smem(
+                    src.at[batch, kv_head, pl.ds(base, bk)], dst, row_bar.at[wg * n_in + i]
+                )
+            plgpu.barrier_wait(in_bar.at[wg])
+            for i in range(n_in):
+                plgpu.barrier_wait(row_bar.at[wg * n_in + i])
+            rv = [_load(plgpu, rows_f.at[wg, i], rl) for i in range(n_rows)]
+            fl = {
+                n: (_load(plgpu, rows_i.at[wg, 2 * i], rl), _load(plgpu, rows_i.at[wg, 2 * i + 1], rl))
+                for i, n in enumerate(names)
+            }
+
+            def zeros(shape):
+                return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), wl)
+
+            def row0():
+                return plgpu.layout_cast(jnp.full((bk,), 0, jnp.float32), rl)
+
+            rows_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+            cols_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
+
+            def step(n, carry, masked: bool):
+                dk_acc, dv_acc, ck, cv, ak, r_st, r_dpt = carry
+                slot = lax.rem(n, jnp.array(stages, n.dtype))
+                _, i = block_of(n)
+                plgpu.barrier_wait(q_bar.at[slot])
+                plgpu.barrier_wait(do_bar.at[slot])
+
+                def gemms(s_ref, p_ref):
+                    plgpu.wgmma(s_ref, ks, q_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(p_ref, vs, do_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...], p_ref[...]
+
+                st_all, dpt_all = pl.run_scoped(
+                    gemms, plgpu.ACC((bk, qn), jnp.float32), plgpu.ACC((bk, qn), jnp.float32)
+                )
+                st, dpt = st_all[:, :bq], dpt_all[:, :bq]
+                q_ids = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wl) + i * bq
+                for name in ("scores_t", "dp_t"):
+                    if name in fl:
+                        bit, col = fl[name]
+                        hit = (q_ids == rows_b(col, (bk, bq))) & (rows_b(bit, (bk, bq)) >= 0)
+                        if name == "scores_t":
+                            st = _flip(st, rows_b(bit, (bk, bq)), hit)
+                        else:
+                            dpt = _flip(dpt, rows_b(bit, (bk, bq)), hit)
+                if checks:
+                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _hilo(plgpu, st_all[:, bq:]), rv[0]))
+                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _hilo(plgpu, dpt_all[:, bq:]), rv[1]))
+                lse = _load(plgpu, lse_smem.at[slot], cl)
+                dl = _load(plgpu, dl_smem.at[slot], cl)
+                p = jnp.exp2(st * c - cols_b(lse, (bk, bq)))
+                if masked:
+                    k_ids = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wl) + base
+                    p = jnp.where(q_ids >= k_ids, p, 0.0)
+                p16 = p.astype(dtype)
+                ds16 = (p * (dpt - cols_b(dl, (bk, bq)))).astype(dtype)
+
+                def mms(refs):
+                    dk_ref_, dv_ref_, ck_ref, cv_ref, ak_ref = refs
+                    plgpu.wgmma(dv_ref_, p16, do_smem.at[slot, pl.ds(0, bq)])
+                    if checks:
+                        # [dod hi, dod lo, ‖do‖₁] per query: p·dod for the check, p·‖do‖₁ (p >= 0)
+                        # for its bound; then the same for ds against q, its bound from |ds|.
+                        plgpu.wgmma(cv_ref, p16, dod_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dk_ref_, ds16, q_smem.at[slot, pl.ds(0, bq)])
+                    if checks:
+                        plgpu.wgmma(ck_ref, ds16, qd_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(ak_ref, jnp.abs(ds16), qd_smem.at[slot].transpose((1, 0)))
+
+                init = lambda x: plgpu.ACC.init(x) if x is not None else None
+                dk_acc, dv_acc, ck, cv, ak = pl.run_state(mms)(
+                    (init(dk_acc), init(dv_acc), init(ck), init(cv), init(ak))
+                )
+                plgpu.barrier_arrive(q_done.at[slot])
+                plgpu.barrier_arrive(do_done.at[slot])
+                return dk_acc, dv_acc, ck, cv, ak, r_st, r_dpt
+
+            c8 = zeros((bk, CS)) if checks else None
+            carry = (zeros((bk, d)), zeros((bk, d)), c8, c8, c8, row0(), row0())
+
+            def head(hh, carry):
+                n0 = hh * count
+                if causal:
+                    carry = lax.fori_loop(n0, n0 + diag, functools.partial(step, masked=True), carry)
+                    return lax.fori_loop(n0 + diag, n0 + count, functools.partial(step, masked=False), carry)
+                return lax.fori_loop(n0, n0 + count, functools.partial(step, masked=False), carry)
+
+            dk_acc, dv_acc, ck, cv, ak, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
+            for name in ("dv", "dk"):
+                if name in fl:
+                    bit, col = fl[name]
+                    d_ids = plgpu.broadcasted_iota(jnp.int32, (bk, d), 1, layout=wl)
+                    hit = (d_ids == rows_b(col, (bk, d))) & (rows_b(bit, (bk, d)) >= 0)
+                    if name == "dv":
+                        dv_acc = _flip(dv_acc, rows_b(bit, (bk, d)), hit)
+                    else:
+                        dk_acc = _flip(dk_acc, rows_b(bit, (bk, d)), hit)
+            outs = []
+            if checks:
+                r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cv), c_sum * _hilo(plgpu, cv, (2,)))
+                r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, ck), c_sum * _hilo(plgpu, ak, (2,)))
+                outs = [r_st, r_dpt, r_dv, r_dk]
+            ks[...] = (dk_acc * scale).astype(dtype)
+            vs[...] = dv_acc.astype(dtype)
+            for i, r in enumerate(outs):
+                rows_f.at[wg, i][...] = r
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ks, dk_ref.at[sl])
+            plgpu.copy_smem_to_gmem(vs, dv_ref.at[sl])
+            for i in range(len(outs)):
+                plgpu.copy_smem_to_gmem(rows_f.at[wg, i], r_refs[i].at[batch, kv_head, pl.ds(base, bk)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load_q(n, slot):
+                head, i = block_of(n)
+                rs = pl.ds(i * bq, bq)
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, rs, head], q_smem.at[slot, pl.ds(0, bq)], q_bar.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rs], lse_smem.at[slot], q_bar.at[slot])
+                if checks:
+                    plgpu.copy_gmem_to_smem(
+                        tile_refs[0].at[batch, head, i], q_smem.at[slot, pl.ds(bq, CS)], q_bar.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(tile_refs[2].at[batch, head, i], qd_smem.at[slot], q_bar.at[slot])
+
+            def load_do(n, slot):
+                head, i = block_of(n)
+                rs = pl.ds(i * bq, bq)
+                plgpu.copy_gmem_to_smem(
+                    do_ref.at[batch, rs, head], do_smem.at[slot, pl.ds(0, bq)], do_bar.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rs], dl_smem.at[slot], do_bar.at[slot])
+                if checks:
+                    plgpu.copy_gmem_to_smem(
+                        tile_refs[1].at[batch, head, i], do_smem.at[slot, pl.ds(bq, CS)], do_bar.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        tile_refs[3].at[batch, head, i], dod_smem.at[slot], do_bar.at[slot]
+                    )
+
+            for i in range(stages):
+
+                @pl.when(i < steps)
+                def _(i=i):  # pl.when runs it here, inside the loop
+                    load_q(i, i)
+                    load_do(i, i)
+
+            @pl.loop(0, steps - stages)
+            def _(n):
+                slot = lax.rem(n, jnp.array(stages, n.dtype))
+                plgpu.barrier_wait(q_done.at[slot])
+                load_q(n + stages, slot)
+                plgpu.barrier_wait(do_done.at[slot])
+                load_do(n + stages, slot)
+
+    def entry(*refs):
+        tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((2, bk, d), dtype, transforms=tf),  # k in, dk staged on its way back
+            plgpu.SMEM((2, bk, d), dtype, transforms=tf),  # v in, dv staged
+            plgpu.SMEM((stages, qn, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, qn, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
+            plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((2, max(n_rows, 4), bk), jnp.float32),
+            plgpu.SMEM((2, max(2 * len(names), 1), bk), jnp.int32),
+        )
+        arrivals = 4 if checks else 2
+        bars = (
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            plgpu.Barrier(num_barriers=max(2 * n_in, 1)),
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(refs, scoped),
+            smem,
+            bars,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
+    row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
+    flat_flips = [a for n in names for a in flips[n]]
+    return plgpu.kernel(
+        entry,
+        out_type=[kv_shape, kv_shape] + [row] * n_t,
+        grid=(kvh, s // (2 * bk), b),
+        grid_names=("heads", "kv_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
+
+
+def _check_inputs(q, k, v, out, lse, do, causal: bool, cfg: FlashBwdConfig, name: str) -> None:
+    b, t, h = q.shape[:3] if q.ndim == 4 else (None,) * 3
+    if (
+        q.ndim != 4
+        or k.ndim != 4
+        or v.shape != k.shape
+        or k.shape[0] != q.shape[0]
+        or k.shape[3] != q.shape[3]
+        or out.shape != q.shape
+        or do.shape != q.shape
+        or lse.shape != (b, h, t)
+    ):
+        raise ValueError(
+            f"pimlayers.{name}: q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape}, lse {lse.shape}, "
+            f"dout {do.shape}; expected q, out, dout (B, T, H, D), k, v (B, S, KV, D) and lse (B, H, T)"
+        )
+    if not all(x.dtype == jnp.bfloat16 for x in (q, k, v, out, do)):
+        raise TypeError(
+            f"pimlayers.{name}: q, k, v, out, dout have dtypes {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, "
+            f"{do.dtype}; expected bfloat16 (the checksum tiles are bf16 hi/lo pairs)"
+        )
+    if not flash_bwd_supported(q.shape, k.shape, q.dtype, causal, cfg):
+        raise ValueError(
+            f"pimlayers.{name}: q {q.shape}, k {k.shape} (causal={causal}) is outside the kernels' shapes: "
+            f"D 64 or 128, H a multiple of KV, T a multiple of {2 * cfg.block_q}, S of {2 * cfg.block_kv}, "
+            "and T == S when causal"
+        )
+
+
+def _check_faults(q, k, faults) -> None:
+    if not isinstance(faults, FlashBwdFaults):
+        raise TypeError(
+            f"pimlayers.flash_attention_bwd: faults is a {type(faults).__name__}; expected FlashBwdFaults"
+        )
+    for name, site in zip(FlashBwdFaults._fields, faults, strict=True):
+        if site is None:
+            continue
+        want = (
+            (q.shape[0], q.shape[2], q.shape[1]) if name in _Q_GEMMS else (k.shape[0], k.shape[2], k.shape[1])
+        )
+        if not (isinstance(site, tuple) and len(site) == 2) or any(
+            a.shape != want or not jnp.issubdtype(a.dtype, jnp.integer) for a in site
+        ):
+            got = (
+                [f"{a.dtype}{list(a.shape)}" for a in site]
+                if isinstance(site, tuple)
+                else type(site).__name__
+            )
+            raise ValueError(
+                f"pimlayers.flash_attention_bwd: faults.{name} is {got}; expected a pair (bit, col) of "
+                f"int32{list(want)} arrays"
+            )
+
+
+def _prepare(q, k, v, out, lse, do, causal, scale, lam, cfg, name, with_bounds: bool):
+    cfg = cfg or FlashBwdConfig()
+    _check_inputs(q, k, v, out, lse, do, causal, cfg, name)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    # The checksums must be of the bf16 values the kernels read: without the barrier XLA may fuse
+    # an operand's producer into the sums and elide its rounding to bf16 (as flash_bounds says).
+    q, k, v, out, do = lax.optimization_barrier((q, k, v, out, do))
+    # δ = rowsum(do ∘ out) = rowsum(p ∘ dp) (FlashAttention's identity), in f32 from the bf16 values.
+    delta = jnp.einsum(
+        "bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
+    bounds = flash_bwd_bounds(q, k, v, do, lam=lam, config=cfg) if with_bounds else None
+    return cfg, scale, delta, bounds, (q, k, v, out, do)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "checks", "config"))
+def flash_attention_bwd(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    out: Float[Array, "b t h d"],
+    lse: Float[Array, "b h t"],
+    dout: Float[Array, "b t h d"],
+    faults: FlashBwdFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    checks: bool = True,
+    config: FlashBwdConfig | None = None,
+) -> tuple[
+    Float[Array, "b t h d"], Float[Array, "b s kv d"], Float[Array, "b s kv d"], FlashBwdChecks | None
+]:
+    """The gradients (dq, dk, dv) of softmax(q·kᵀ·scale, causal)·v for a cotangent ``dout``, from the
+    forward's ``out`` and natural-log ``lse`` (:func:`flash_attention`'s), on Hopper's tensor cores.
+
+    Returns ``(dq, dk, dv, checks)``: the seven per-row ratios (None when ``checks=False``, the kernels
+    without checksums: the peer that says what they cost). Raises NotImplementedError off a Hopper GPU.
+    """
+    if faults is not None and not checks:
+        raise ValueError(
+            "pimlayers.flash_attention_bwd: faults are injected before the checks; pass checks=True"
+        )
+    if faults is not None:
+        _check_faults(q, k, faults)
+    cfg, scale, delta, bd, (q, k, v, out, dout) = _prepare(
+        q, k, v, out, lse, dout, causal, scale, lam, config, "flash_attention_bwd", checks
+    )
+    if not hopper():
+        raise NotImplementedError(
+            "pimlayers.flash_attention_bwd runs on a Hopper GPU (sm_90) only; "
+            "flash_attention_bwd_reference is the same computation through XLA"
+        )
+    c = scale * (1.0 / _LN2)  # base 2: exp(x·scale - lse) = exp2(x·c - lse/ln 2)
+    lse2 = lse.astype(jnp.float32) * jnp.float32(1.0 / _LN2)
+    fl = (
+        {}
+        if faults is None
+        else {n: tuple(a.astype(jnp.int32) for a in f) for n, f in faults._asdict().items() if f is not None}
+    )
+    q_rows = [lse2, delta] + ([bd["tol_s"], bd["tol_dp"]] if checks else [])
+    q_tiles = [bd["ks"], bd["vs"], bd["kd"]] if checks else []
+    kw = dict(causal=causal, c=c, scale=scale, checks=checks, cfg=cfg)
+    c_dq, c_kv = (bd["c_dq"], bd["c_kv"]) if checks else (0.0, 0.0)
+    dq, *rq = _dq_call(
+        q, k, v, dout, q_rows, q_tiles, {n: fl[n] for n in _Q_GEMMS if n in fl}, c_sum=c_dq, **kw
+    )
+    k_rows = [bd["tol_st"], bd["tol_dpt"]] if checks else []
+    k_tiles = [bd["qs"], bd["dos"], bd["qd"], bd["dod"]] if checks else []
+    dk, dv, *rk = _dkv_call(
+        q, k, v, dout, lse2, delta, k_rows, k_tiles, {n: fl[n] for n in _K_GEMMS if n in fl}, c_sum=c_kv, **kw
+    )
+    return dq, dk, dv, (FlashBwdChecks(*rq, *rk) if checks else None)
+
+
+def flash_attention_bwd_reference(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    out: Float[Array, "b t h d"],
+    lse: Float[Array, "b h t"],
+    dout: Float[Array, "b t h d"],
+    faults: FlashBwdFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    config: FlashBwdConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b s kv d"], Float[Array, "b s kv d"], FlashBwdChecks]:
+    """The kernels' results through XLA, every product materialised in f32: the same checksums, bounds,
+    injected flips and bf16 roundings of p and ds. Any backend; for tests."""
+    if faults is not None:
+        _check_faults(q, k, faults)
+    cfg, scale, delta, bd, (q, k, v, out, dout) = _prepare(
+        q, k, v, out, lse, dout, causal, scale, lam, config, "flash_attention_bwd_reference", True
+    )
+    fl = {} if faults is None else {n: f for n, f in faults._asdict().items() if f is not None}
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g, bq, bk = h // kvh, cfg.block_q, cfg.block_kv
+    hi = lax.Precision.HIGHEST
+    f32 = lambda x: x.astype(jnp.float32)
+    kh, vh = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    mm = lambda spec, a, c: jnp.einsum(spec, a, c, preferred_element_type=jnp.float32, precision=hi)
+    sc = mm("bthd,bshd->bhts", q, kh)  # (B, H, T, S)
+    dp = mm("bthd,bshd->bhts", dout, vh)
+    hilo = lambda tile, i=(0, 1): sum(f32(tile[..., j, :]) for j in i)
+    visible = jnp.ones((t, s), bool) if not causal else jnp.arange(s)[None, :] <= jnp.arange(t)[:, None]
+    keys = jnp.arange(s, dtype=jnp.int32)
+    quer = jnp.arange(t, dtype=jnp.int32)
+
+    def flip_at(x, site, idx):  # per-row site (bit, col) on x (..., rows, last)
+        bit, col = site
+        hit = (idx[None, None, None, :] == col[..., None]) & (bit >= 0)[..., None]
+        return _flip(x, bit[..., None], hit)
+
+    # dq kernel: per query row, over key blocks.
+    sc_q = flip_at(sc, fl["scores"], keys) if "scores" in fl else sc
+    dp_q = flip_at(dp, fl["dp"], keys) if "dp" in fl else dp
+    rep = lambda x: jnp.repeat(x, g, axis=1)
+    e_s = jnp.einsum("bthd,bhjd->bhtj", f32(q), rep(hilo(bd["ks"])), precision=hi)
+    e_dp = jnp.einsum("bthd,bhjd->bhtj", f32(dout), rep(hilo(bd["vs"])), precision=hi)
+    blk = lambda x: jnp.sum(x.reshape(*x.shape[:-1], s // bk, bk), axis=-1)
+    r_s = jnp.max(_ratio(blk(sc_q) - e_s, bd["tol_s"][..., None]), axis=-1)
+    r_dp = jnp.max(_ratio(blk(dp_q) - e_dp, bd["tol_dp"][..., None]), axis=-1)
+    lse2 = f32(lse)[..., None] / _LN2
+    c = scale / _LN2
+    p_q = jnp.where(visible, jnp.exp2(sc_q * c - lse2), 0.0)
+    ds_q = (p_q * (dp_q - delta[..., None])).astype(q.dtype)
+    dq_acc = mm("bhts,bshd->bhtd", ds_q, kh)
+    if "dq" in fl:
+        dq_acc = flip_at(dq_acc, fl["dq"], jnp.arange(d, dtype=jnp.int32))
+    kd = rep(hilo(bd["kd"]).reshape(b, kvh, s))  # (B, H, S)
+    k1 = rep(hilo(bd["kd"], (2,)).reshape(b, kvh, s))  # ‖k‖₁, rounded up to bf16 as the kernel reads it
+    tol_dq = bd["c_dq"] * jnp.einsum("bhts,bhs->bht", jnp.abs(f32(ds_q)), k1, precision=hi)
+    r_dq = _ratio(jnp.sum(dq_acc, -1) - jnp.einsum("bhts,bhs->bht", f32(ds_q), kd, precision=hi), tol_dq)
+    dq = (dq_acc * scale).astype(q.dtype).transpose(0, 2, 1, 3)
+
+    # dk/dv kernel: per key row, over the group's heads and query blocks. Grouped (B, KV, G, ...).
+    grp = lambda x: x.reshape(b, kvh, g, *x.shape[2:])
+    st, dpt = grp(sc).swapaxes(-1, -2), grp(dp).swapaxes(-1, -2)  # (B, KV, G, S, T)
+
+    def flip_k(x, site):
+        bit, col = site  # (B, KV, S)
+        hit = (quer[None, None, None, None, :] == col[:, :, None, :, None]) & (bit >= 0)[:, :, None, :, None]
+        return _flip(x, bit[:, :, None, :, None], hit)
+
+    st = flip_k(st, fl["scores_t"]) if "scores_t" in fl else st
+    dpt = flip_k(dpt, fl["dp_t"]) if "dp_t" in fl else dpt
+    qblk = lambda x: jnp.sum(x.reshape(*x.shape[:-1], t // bq, bq), axis=-1)  # (..., T) -> (..., T/bq)
+    e_st = jnp.einsum("bskd,bkgjd->bkgsj", f32(k), grp(hilo(bd["qs"])), precision=hi)
+    e_dpt = jnp.einsum("bskd,bkgjd->bkgsj", f32(v), grp(hilo(bd["dos"])), precision=hi)
+    r_st = jnp.max(_ratio(qblk(st) - e_st, bd["tol_st"][:, :, None, :, None]), axis=(2, 4))
+    r_dpt = jnp.max(_ratio(qblk(dpt) - e_dpt, bd["tol_dpt"][:, :, None, :, None]), axis=(2, 4))
+    lse2t = grp(lse2[..., 0])[:, :, :, None, :]
+    dlt = grp(delta)[:, :, :, None, :]
+    pt = jnp.where(visible.T, jnp.exp2(st * c - lse2t), 0.0)
+    p16 = pt.astype(q.dtype)
+    ds16 = (pt * (dpt - dlt)).astype(q.dtype)
+    qg = grp(q.transpose(0, 2, 1, 3))  # (B, KV, G, T, D)
+    dog = grp(dout.transpose(0, 2, 1, 3))
+    dv_acc = mm("bkgst,bkgtd->bksd", p16, dog)
+    dk_acc = mm("bkgst,bkgtd->bksd", ds16, qg)
+    if "dv" in fl:
+        dv_acc = flip_at(dv_acc, fl["dv"], jnp.arange(d, dtype=jnp.int32))
+    if "dk" in fl:
+        dk_acc = flip_at(dk_acc, fl["dk"], jnp.arange(d, dtype=jnp.int32))
+    dod = grp(hilo(bd["dod"]).reshape(b, h, t))
+    qd = grp(hilo(bd["qd"]).reshape(b, h, t))
+    do1 = grp(hilo(bd["dod"], (2,)).reshape(b, h, t))
+    q1 = grp(hilo(bd["qd"], (2,)).reshape(b, h, t))
+    tol_dv = bd["c_kv"] * jnp.einsum("bkgst,bkgt->bks", f32(p16), do1, precision=hi)
+    tol_dk = bd["c_kv"] * jnp.einsum("bkgst,bkgt->bks", jnp.abs(f32(ds16)), q1, precision=hi)
+    cv = jnp.einsum("bkgst,bkgt->bks", f32(p16), dod, precision=hi)
+    ck = jnp.einsum("bkgst,bkgt->bks", f32(ds16), qd, precision=hi)
+    r_dv = _ratio(jnp.sum(dv_acc, -1) - cv, tol_dv)
+    r_dk = _ratio(jnp.sum(dk_acc, -1) - ck, tol_dk)
+    dk = (dk_acc * scale).astype(q.dtype).transpose(0, 2, 1, 3)
+    dv = dv_acc.astype(q.dtype).transpose(0, 2, 1, 3)
+    return dq, dk, dv, FlashBwdChecks(r_s, r_dp, r_dq, r_st, r_dpt, r_dv, r_dk)

@@ -1,0 +1,177 @@
+"""The verified flash attention backward: its XLA reference, its checks, errors, and the layer's
+rerun on a detected fault.
+
+On the CPU ``flash_attention_bwd_reference`` stands in for the two Hopper kernels (the same
+gradients, ratios and injected flips, from XLA with every product materialised); the GPU tests
+(``tests/test_gpu_flash_bwd.py``) check the kernels against it.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pimlayers import ops
+from pimlayers.faults import FaultPolicy
+from pimlayers.layers import attention as A
+
+B, T, H, KV, D = 1, 256, 4, 2, 64
+
+
+def _inputs(b=B, t=T, h=H, kv=KV, d=D, causal=True, seed=0, scale=1.0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    mk = lambda key, n: (scale * jax.random.normal(key, (b, t, n, d))).astype(jnp.bfloat16)
+    q, k, v, do = mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv), mk(ks[3], h)
+    out, lse, _ = ops.flash_attention_reference(q, k, v, causal=causal)
+    return q, k, v, out, lse, do
+
+
+def _plain_grads(q, k, v, do, causal):
+    """Autodiff of plain f32 attention from the same bf16 values."""
+    f32 = lambda x: x.astype(jnp.float32)
+    t, h, kv, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+    def attn(q, k, v):
+        kh, vh = jnp.repeat(k, h // kv, 2), jnp.repeat(v, h // kv, 2)
+        s = jnp.einsum("bthd,bshd->bhts", q, kh, precision="highest") / math.sqrt(d)
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), vh, precision="highest")
+
+    _, vjp = jax.vjp(attn, f32(q), f32(k), f32(v))
+    return vjp(f32(do))
+
+
+def _site(gemm, rows, bit, col, b=B, h=H, kv=KV, t=T):
+    shape = (b, h, t) if gemm in ("scores", "dp", "dq") else (b, kv, t)
+    bits, cols = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
+    for r in rows:
+        bits[0, 1, r], cols[0, 1, r] = bit, col(r)
+    return ops.FlashBwdFaults(**{gemm: (jnp.asarray(bits), jnp.asarray(cols))})
+
+
+# A flipped value's column: a visible key (scores, dp), a query that sees the key (scores_t, dp_t),
+# a column of D (dq, dk, dv).
+COLS = {"scores": lambda r: r - 3, "dp": lambda r: r // 2, "scores_t": lambda r: 250, "dp_t": lambda r: r + 1}
+
+
+@pytest.mark.parametrize(("h", "kv", "causal"), [(4, 2, True), (4, 4, False), (6, 1, True)])
+def test_reference_matches_autodiff_of_plain_attention(h, kv, causal):
+    q, k, v, out, lse, do = _inputs(h=h, kv=kv, causal=causal, seed=1)
+    got = ops.flash_attention_bwd_reference(q, k, v, out, lse, do, causal=causal)
+    for a, w in zip(got[:3], _plain_grads(q, k, v, do, causal), strict=True):
+        w = np.asarray(w)
+        # bf16 gradients from bf16 p and ds: within a few bf16 ulps of the largest gradient.
+        assert np.max(np.abs(np.asarray(a, np.float32) - w)) <= 2e-2 * np.max(np.abs(w))
+
+
+@pytest.mark.parametrize("scale", [1e-2, 1.0, 8.0])
+def test_clean_ratios_stay_well_inside_their_bounds(scale):
+    args = _inputs(seed=2, scale=scale)
+    checks = ops.flash_attention_bwd_reference(*args)[3]
+    for name, r in checks._asdict().items():
+        assert 0.0 <= float(r.max()) < 0.25, (name, float(r.max()))
+
+
+@pytest.mark.parametrize("gemm", ops.FlashBwdFaults._fields)
+def test_flips_are_flagged_on_their_rows_only(gemm):
+    args = _inputs(seed=3)
+    rows = [40, 130, 255] if gemm in ("scores", "dp", "dq") else [3, 129, 200]
+    f = _site(gemm, rows, 30, COLS.get(gemm, lambda r: r % D))
+    checks = ops.flash_attention_bwd_reference(*args, f)[3]
+    sites = {(0, 1, r) for r in rows}
+    q_side = ("scores", "dp", "dq")
+    for name, r in checks._asdict().items():
+        flagged = {tuple(i) for i in np.argwhere(~(np.asarray(r) <= 1.0)).tolist()}
+        if name == gemm:
+            assert flagged == sites
+        elif (name in q_side) == (gemm in q_side):
+            # Downstream in the same kernel a flipped score can turn p, ds non-finite, which the
+            # later check flags too, on the same rows; never elsewhere.
+            assert flagged <= sites, name
+        else:
+            assert flagged == set(), name  # the other kernel recomputes its own products
+
+
+def test_a_mantissa_flip_past_the_rounding_is_flagged():
+    # Bit 20 of dk's accumulator: 2^-3 of the value's exponent, far past the rounding but far from
+    # an exponent flip's blow-up; the measured |ds|·‖q‖₁ bound must still see it.
+    args = _inputs(seed=4)
+    f = _site("dk", [100], 20, lambda r: 7)
+    r = ops.flash_attention_bwd_reference(*args, f)[3].dk
+    assert float(r[0, 1, 100]) > 1.0
+
+
+def test_nan_in_the_cotangent_is_flagged():
+    q, k, v, out, lse, do = _inputs(seed=5)
+    do = do.at[0, 17, 2].set(jnp.nan)
+    ch = ops.flash_attention_bwd_reference(q, k, v, out, lse, do)[3]
+    assert float(ch.dp[0, 2, 17]) > 1.0  # a NaN difference is written as the worst ratio
+
+
+def test_errors_name_what_came_and_what_was_expected():
+    q, k, v, out, lse, do = _inputs()
+    with pytest.raises(ValueError, match="lse"):
+        ops.flash_attention_bwd(q, k, v, out, lse[:, :, :-1], do)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.flash_attention_bwd(q.astype(jnp.float16), k, v, out, lse, do)
+    with pytest.raises(ValueError, match="outside the kernels' shapes"):
+        ops.flash_attention_bwd_reference(
+            q[:, :200], k[:, :200], v[:, :200], out[:, :200], lse[..., :200], do[:, :200]
+        )
+    with pytest.raises(ValueError, match="checks=True"):
+        ops.flash_attention_bwd(q, k, v, out, lse, do, _site("dq", [1], 3, lambda r: 0), checks=False)
+    with pytest.raises(ValueError, match=r"faults\.dk"):
+        bad = ops.FlashBwdFaults(dk=(jnp.zeros((B, H, T), jnp.int32),) * 2)  # query rows, not key rows
+        ops.flash_attention_bwd_reference(q, k, v, out, lse, do, bad)
+    with pytest.raises(TypeError, match="FlashBwdFaults"):
+        ops.flash_attention_bwd_reference(q, k, v, out, lse, do, {"dq": None})
+    if not ops._fused_gemm.hopper():
+        with pytest.raises(NotImplementedError, match="flash_attention_bwd_reference"):
+            ops.flash_attention_bwd(q, k, v, out, lse, do)
+
+
+def test_supported_shapes():
+    ok = ops.flash_bwd_supported
+    assert ok((1, 256, 4, 128), (1, 256, 2, 128), jnp.bfloat16, True)
+    assert not ok((1, 256, 4, 128), (1, 256, 2, 128), jnp.float16, True)  # bf16 only
+    assert not ok((1, 192, 4, 128), (1, 192, 2, 128), jnp.bfloat16, False)  # T, S multiples of 128
+    assert not ok((1, 256, 4, 128), (1, 512, 2, 128), jnp.bfloat16, True)  # causal: T == S
+    assert not ok((1, 256, 3, 128), (1, 256, 2, 128), jnp.bfloat16, True)  # H a multiple of KV
+    assert not ok((1, 256, 4, 96), (1, 256, 2, 96), jnp.bfloat16, True)  # D 64 or 128
+
+
+def test_layer_backward_reruns_on_a_detected_fault():
+    # The layer's backward through the kernels' rerun loop, XLA standing in for the kernels: a flip
+    # is detected, both kernels rerun fault-free, the gradients come out as without it.
+    q, k, v, out, lse, do = _inputs(seed=6)
+    pol = FaultPolicy()
+    run = jax.jit(
+        lambda f: A._flash_backward(q, k, v, out, lse, do, 1 / math.sqrt(D), True, pol, f, reference=True)
+    )
+    clean, r0 = run(None)
+    got, r1 = run(_site("dv", [77], 30, lambda r: 5))
+    r0, r1 = r0.to_dict(), r1.to_dict()
+    assert r0["gemm_checked"] == 7 * B * KV and r0["gemm_detected"] == 0 and r0["gemm_recomputed"] == 0
+    assert r1["gemm_detected"] == 1 and r1["gemm_corrected"] == 1 and r1["gemm_uncorrectable"] == 0
+    assert r1["gemm_recomputed"] == 7 * B * KV
+    for a, c in zip(got, clean, strict=True):
+        # XLA compiles the rerun inside the loop with other fusions: one bf16 ulp may differ.
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), atol=2e-2)
+    detect = FaultPolicy(mode="detect")
+    _, r2 = A._flash_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        do,
+        1 / math.sqrt(D),
+        True,
+        detect,
+        _site("dq", [9], 30, lambda r: 1),
+        reference=True,
+    )
+    assert r2.to_dict()["gemm_uncorrectable"] == 1 and r2.to_dict()["gemm_recomputed"] == 0
