@@ -118,4 +118,6 @@ def test_kernel_under_vmap_equals_one_call_per_example(hopper):
     for i in range(3):
         o1, _, c1 = f(q[i], k[i], v[i])
         np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(o1, np.float32))
-        np.testing.assert_array_equal(np.asarray(checks.scores[i]), np.asarray(c1.scores))
+        # The ratios' bounds come from XLA (|q|·kmax), whose batched and unbatched reductions may
+        # round differently in the last place: equal to f32 rounding, not bit for bit.
+        np.testing.assert_allclose(np.asarray(checks.scores[i]), np.asarray(c1.scores), rtol=1e-5)
