@@ -152,6 +152,10 @@ def flash_bounds(q, k, v, *, lam: float, config: FlashConfig | None = None):
     f32 (the output bound's factor: times l in the kernel).
     """
     cfg = config or FlashConfig()
+    # The checksums must be of the bf16 values the kernel reads. Without the barrier XLA may fuse the
+    # operands' producer (say RoPE in f32, then rounded) into these sums and elide the rounding: on
+    # an H200, every remat-recomputed forward of a Llama step then failed its scores check.
+    q, k, v = lax.optimization_barrier((q, k, v))
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     nb, bk, g = s // cfg.block_kv, cfg.block_kv, h // kvh
