@@ -1,6 +1,7 @@
 """Native ops with pure-JAX twins: the insulation gate, bank checksums, parity (and both in one read:
 bank_guard; for many arrays in one call: bank_guard_many, and their check: bank_verify_many), ABFT
-checks, the banked (PIM) GEMV; flash attention with its two GEMMs verified inside the kernel (Hopper)."""
+checks, the banked (PIM) GEMV; flash attention and its backward with every GEMM verified inside the
+kernels (Hopper)."""
 
 from ._abft import ABFT_CLEAN as ABFT_CLEAN
 from ._abft import ABFT_CORRECTED as ABFT_CORRECTED
