@@ -11,7 +11,8 @@ replace. This suite times, side by side on one GPU (Hopper only; nothing to run 
   pimlayers' own: ``ops.flash_attention`` with its in-kernel checks (and without, the same kernel's
   cost without them), and the protected attention core (``layers.attention_core``: the verified
   kernel forward, or the verified materialised path with ``flash=False``) — goal 2 of the
-  performance issue, protected attention at >= 0.93x cuDNN.
+  performance issue, protected attention at >= 0.93x cuDNN — and the backward kernels alone
+  (``ops.flash_attention_bwd``, with and without their checks).
 
 Every kernel's output is checked against XLA's before it is timed.
 """
@@ -161,6 +162,55 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
             tflops = mult * flops / s / 1e12
             row = dict(mode=mode, op=name, shape=shape, ms=s * 1e3, tflops=tflops, vs_cudnn=peer[mode] / s)
             rows.append(row)
+    rows += _backward_kernels(q, k, v, g, flops, shape, peer)
+    return rows
+
+
+def _backward_kernels(q, k, v, g, flops, shape, peer) -> list[dict]:
+    """The backward kernels alone (``ops.flash_attention_bwd`` from the forward's output and
+    logsumexp), with and without their checks, against cuDNN's backward: its forward+backward less
+    its forward, both timed above."""
+    from pimlayers import ops
+
+    if "fwd" not in peer or "fwd+bwd" not in peer:
+        return []
+    cudnn_bwd = peer["fwd+bwd"] - peer["fwd"]
+    out, lse, _ = ops.flash_attention(q, k, v)
+    want = ops.flash_attention_bwd(q, k, v, out, lse, g, checks=False)
+    rows = [
+        dict(
+            mode="bwd",
+            op="cuDNN (forward+backward less forward)",
+            shape=shape,
+            ms=cudnn_bwd * 1e3,
+            vs_cudnn=1.0,
+        )
+    ]
+    for checks in (False, True):
+        fn = jax.jit(functools.partial(ops.flash_attention_bwd, checks=checks))
+        got = fn(q, k, v, out, lse, g)
+        # Checked before timing: the two builds must agree (same arithmetic, checks aside).
+        err = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            for a, b in zip(got[:3], want[:3], strict=True)
+        )
+        name = f"pimlayers flash_attention_bwd, {'verified' if checks else 'checks off'}"
+        if err > 0.05 * max(float(jnp.max(jnp.abs(w.astype(jnp.float32)))) for w in want[:3]):
+            rows.append(
+                dict(mode="bwd", op=name, shape=shape, error=f"differs from the unchecked kernels: {err:.3g}")
+            )
+            continue
+        s = time_fn(fn, q, k, v, out, lse, g, warmup=2, iters=10, repeats=5)
+        rows.append(
+            dict(
+                mode="bwd",
+                op=name,
+                shape=shape,
+                ms=s * 1e3,
+                tflops=2.0 * flops / s / 1e12,
+                vs_cudnn=cudnn_bwd / s,
+            )
+        )
     return rows
 
 

@@ -6,8 +6,8 @@
 
 (XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
 buffer's end is not hidden inside XLA's pool.) The Pallas Mosaic-GPU flash attention kernel (Hopper)
-has its own cases, run with ``python tests/sanitize_gpu.py flash`` and ``K='regex=mosaic'`` (its
-kernel is named ``entry_mosaic_gpu_kernel``); not yet run under the tool.
+and its backward kernels have their own cases, run with ``python tests/sanitize_gpu.py flash`` and
+``K='regex=mosaic'`` (the kernels are named ``entry_mosaic_gpu_kernel``); not yet run under the tool.
 
 The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
 crashed the tool itself part-way (seen on an H200 with compute-sanitizer 2025.3.1), at a different
@@ -28,10 +28,13 @@ import test_gpu_memory as TM  # noqa: E402
 
 def flash_cases() -> list:
     import test_gpu_flash as TF
+    import test_gpu_flash_bwd as TB
 
     return [
         *[(TF.test_kernel_matches_reference, (None, shape, TF.ops.FlashConfig())) for shape in TF.SHAPES[:3]],
         *[(TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape)) for shape in TF.SHAPES[:2]],
+        *[(TB.test_bwd_kernels_match_the_reference, (None, shape)) for shape in TB.SHAPES[:4]],
+        *[(TB.test_bwd_kernels_flag_the_flipped_rows, (None, gemm, 30)) for gemm in ("dq", "dp_t", "dk")],
     ]
 
 
