@@ -264,6 +264,45 @@ def test_auto_flash_only_where_the_arrays_are_one_devices(cpu_mesh):
     assert seen == [True]
 
 
+def test_flash_over_several_devices_runs_on_each_devices_batch_rows(cpu_mesh, monkeypatch):
+    # flash=True with the batch sharded over 8 devices: each device runs the kernel (here its XLA
+    # reference) on its own batch rows, forward and backward, and the result is the one-device one.
+    from jax.sharding import PartitionSpec as P
+
+    from pimlayers.layers import attention as A
+
+    seen = []
+    for name in ("flash_attention_reference", "flash_attention_bwd_reference"):
+        real = getattr(A, name)
+
+        def spy(q, *a, _real=real, **kw):
+            seen.append(q.shape[0])
+            return _real(q, *a, **kw)
+
+        monkeypatch.setattr(A, name, spy)
+    b = 8
+    q, k, v = _qkv(b=b, seed=15)
+    do = jax.random.normal(jax.random.key(16), q.shape).astype(jnp.bfloat16)
+
+    def both(q, k, v, do):
+        scale = 1 / np.sqrt(D)
+        out, lse, rf = A._flash_forward(q, k, v, None, scale, True, POLICY, True)
+        grads, rb = A._flash_backward(q, k, v, out, lse, do, scale, True, POLICY, reference=True)
+        return out, grads, rf, rb
+
+    want = jax.jit(both)(q, k, v, do)  # arrays on one device: no partitioning
+    assert set(seen) == {b}
+    seen.clear()
+    rows = jax.NamedSharding(cpu_mesh, P("d"))
+    args = [jax.device_put(x, rows) for x in (q, k, v, do)]
+    got = jax.jit(both)(*args)
+    assert b // 8 in seen  # lowered per device, on its own batch rows (global shapes: abstract only)
+    assert "all-gather" not in jax.jit(both).lower(*args).compile().as_text()  # nothing gathered
+    for a, w in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w, np.float32), atol=2e-2)
+    assert got[2].to_dict() == want[2].to_dict() and got[3].to_dict() == want[3].to_dict()
+
+
 def test_gqa_attention_passes_flash_through():
     ks = jax.random.split(jax.random.key(11), 5)
     e = 64

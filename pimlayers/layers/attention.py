@@ -29,6 +29,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..faults import FaultPolicy, FaultReport, GemmFaults
 from ..ops import (
+    FlashBwdChecks,
+    FlashChecks,
     FlashFaults,
     flash_attention,
     flash_attention_bwd,
@@ -43,6 +45,7 @@ from ..ops import (
 )
 from ..ops._fused_gemm import hopper
 from ..ops._protected_matmul import _to_tap
+from ..ops._rows import row_parallel
 from ._common import check_features, policy_or_default, stock
 from .linear import linear
 from .rope import apply_rope
@@ -93,11 +96,13 @@ def attention_core(
     partly filled cache) and ``mask`` (broadcastable to (B, H, T, S); True = visible) allows it.
     Default positions: queries are the last T of the S keys.
 
-    ``flash``: None takes the verified flash kernel's forward where it applies (module docstring)
-    and the arrays are one device's (a single device, or inside a ``shard_map`` over every mesh
-    axis: XLA cannot partition the kernel, and would gather sharded inputs to every device); False
-    never; True requires it (ValueError naming what stands in the way) and, off a Hopper GPU, runs
-    the kernel's XLA reference through the same checks, recompute and report (for tests). With
+    ``flash``: None takes the verified flash kernels where they apply (module docstring) and the
+    arrays are one device's (a single device, or inside a ``shard_map`` over every mesh axis); False
+    never; True requires them (ValueError naming what stands in the way) and, off a Hopper GPU, runs
+    the kernels' XLA references through the same checks, recompute and report (for tests). Over
+    several devices True runs the kernels on each device's batch rows (``custom_partitioning``: XLA
+    cannot partition a Pallas kernel and would gather the operands to every device); tested on
+    CPU devices with the references, not yet on several GPUs, hence not the default there. With
     protection off, True runs ``jax.nn.dot_product_attention`` instead (cuDNN's flash attention on
     a GPU, unchecked): a fast unprotected peer; None keeps the stock layer's materialised arithmetic.
     """
@@ -170,6 +175,24 @@ def _per_device() -> bool:
         return True
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
+
+
+def _per_batch(fn, *args):
+    """``fn(*args)``, a tuple of arrays, every operand and result with the batch on axis 0 and its
+    rows independent. One device's arrays: the plain call. Arrays over several devices: XLA cannot
+    partition a Pallas kernel (it would gather every operand to every device), so each device runs
+    ``fn`` on its own batch rows (``row_parallel``'s custom_partitioning); a vmapped call's axes are
+    folded into the batch."""
+    if _per_device():
+        return fn(*args)
+    n_out = [o.ndim - 1 for o in jax.eval_shape(fn, *args)]
+
+    def folded(*xs):
+        lead = xs[0].shape[: xs[0].ndim - args[0].ndim + 1]  # vmapped axes, then the batch
+        flat = (x.reshape(-1, *x.shape[len(lead) :]) for x in xs)
+        return tuple(o.reshape(*lead, *o.shape[1:]) for o in fn(*flat))
+
+    return row_parallel(folded, [a.ndim - 1 for a in args], n_out)(*args)
 
 
 def _layout_obstacle(q, k, q_positions, kv_length, mask, causal: bool) -> str:
@@ -293,8 +316,14 @@ def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy,
     b, kvh = q.shape[0], k.shape[2]
 
     def run(q, k, v, ff):
-        out, lse, ch = kernel(q, k, v, ff, causal=causal, scale=scale, lam=policy.lam)
-        return (out, lse), ch
+        def call(q, k, v, *sites):
+            out, lse, ch = kernel(
+                q, k, v, FlashFaults(*sites) if sites else None, causal=causal, scale=scale, lam=policy.lam
+            )
+            return out, lse, *ch
+
+        out, lse, *ch = _per_batch(call, q, k, v, *(ff or ()))
+        return (out, lse), FlashChecks(*ch)
 
     groups = lambda ch: _failing([ch.scores, ch.out], b, kvh)
     (out, lse), report = _run_checked(run, (q, k, v), ff, groups, 2 * b * kvh, policy, gate_first=True)
@@ -311,8 +340,15 @@ def _flash_backward(
     kernel = flash_attention_bwd_reference if reference else flash_attention_bwd
 
     def run(q, k, v, out, lse, dout, faults):
-        dq, dk, dv, ch = kernel(q, k, v, out, lse, dout, faults, causal=causal, scale=scale, lam=policy.lam)
-        return (dq, dk, dv), ch
+        leaves, tree = jax.tree.flatten(faults)
+
+        def call(q, k, v, out, lse, dout, *sites):
+            f = jax.tree.unflatten(tree, sites)
+            dq, dk, dv, ch = kernel(q, k, v, out, lse, dout, f, causal=causal, scale=scale, lam=policy.lam)
+            return dq, dk, dv, *ch
+
+        dq, dk, dv, *ch = _per_batch(call, q, k, v, out, lse, dout, *leaves)
+        return (dq, dk, dv), FlashBwdChecks(*ch)
 
     groups = lambda ch: _failing(list(ch), b, kvh)
     return _run_checked(run, (q, k, v, out, lse, dout), faults, groups, 7 * b * kvh, policy)

@@ -15,7 +15,7 @@ lowers to the plain call. ``vmap`` adds a leading row axis (the ops' ``broadcast
 
 from __future__ import annotations
 
-import string
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,7 +75,7 @@ def _partitioned(fn, lead: int, trailing_in: tuple[int, ...], trailing_out: tupl
 
     # Shardy: the leading axes are shared factors ("..."), every trailing axis its own factor
     # that must stay whole on each device.
-    letters = iter(string.ascii_lowercase)
+    letters = (f"f{i}" for i in itertools.count())  # as many factor names as the operands need
     own: list[str] = []
 
     def operand(trailing: int) -> str:
