@@ -209,6 +209,30 @@ def _load(plgpu, ref, layout):
         return plgpu.load(ref, (), layout=layout)
 
 
+def _stream(pl, plgpu, steps, stages: int, pipes, guard: bool = True) -> None:
+    """The TMA warpgroup's loop over ``steps`` blocks with ``stages`` in flight. ``pipes``: a list of
+    (consumed barrier, load(step, slot)); block n + stages goes into slot n % stages once both
+    compute warpgroups released that slot's block, each pipe on its own barrier (one operand can be
+    refilled while the other is still read). ``guard``: skip first loads past ``steps``."""
+    for i in range(stages):
+
+        def first(i=i):
+            for _, load in pipes:
+                load(i, i)
+
+        if guard:
+            pl.when(i < steps)(first)
+        else:
+            first()
+
+    @pl.loop(0, steps - stages)
+    def _(n):
+        slot = lax.rem(n, jnp.array(stages, n.dtype))
+        for done, load in pipes:
+            plgpu.barrier_wait(done.at[slot])
+            load(n + stages, slot)
+
+
 def _kernel_call(
     q,
     k,
@@ -455,17 +479,7 @@ def _kernel_call(
                         vs_ref.at[batch, kv_head, step], vs_smem.at[slot], vs_bar.at[slot]
                     )
 
-            for i in range(stages):
-                load_k(i, i)
-                load_v(i, i)
-
-            @pl.loop(0, cta_steps - stages)
-            def _(kv):
-                slot = lax.rem(kv, jnp.array(stages, kv.dtype))
-                plgpu.barrier_wait(k_done.at[slot])
-                load_k(kv + stages, slot)
-                plgpu.barrier_wait(v_done.at[slot])
-                load_v(kv + stages, slot)
+            _stream(pl, plgpu, cta_steps, stages, [(k_done, load_k), (v_done, load_v)], guard=False)
 
     def entry(*refs):
         tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

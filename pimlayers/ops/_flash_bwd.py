@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._flash import CS, _flip, _load, _ratio, _split, _tile
+from ._flash import CS, _flip, _load, _ratio, _split, _stream, _tile
 from ._fused_gemm import hopper
 
 __all__ = [
@@ -393,20 +393,8 @@ def _dq_call(
                         tile_refs[2].at[batch, kv_head, j], kd_smem.at[slot], k_bar.at[slot]
                     )
 
-            for i in range(stages):
-
-                @pl.when(i < cta_steps)
-                def _(i=i):  # pl.when runs it here, inside the loop
-                    load_k(i, i)
-                    load_v(i, i)
-
-            @pl.loop(0, cta_steps - stages)
-            def _(j):
-                slot = lax.rem(j, jnp.array(stages, j.dtype))
-                plgpu.barrier_wait(v_done.at[slot])
-                load_v(j + stages, slot)
-                plgpu.barrier_wait(k_done.at[slot])
-                load_k(j + stages, slot)
+            # v first: its slot is released after the step's first two GEMMs, k's after the last.
+            _stream(pl, plgpu, cta_steps, stages, [(v_done, load_v), (k_done, load_k)])
 
     def entry(*refs):
         tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -662,20 +650,7 @@ def _dkv_call(
                         tile_refs[3].at[batch, head, i], dod_smem.at[slot], do_bar.at[slot]
                     )
 
-            for i in range(stages):
-
-                @pl.when(i < steps)
-                def _(i=i):  # pl.when runs it here, inside the loop
-                    load_q(i, i)
-                    load_do(i, i)
-
-            @pl.loop(0, steps - stages)
-            def _(n):
-                slot = lax.rem(n, jnp.array(stages, n.dtype))
-                plgpu.barrier_wait(q_done.at[slot])
-                load_q(n + stages, slot)
-                plgpu.barrier_wait(do_done.at[slot])
-                load_do(n + stages, slot)
+            _stream(pl, plgpu, steps, stages, [(q_done, load_q), (do_done, load_do)])
 
     def entry(*refs):
         tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
