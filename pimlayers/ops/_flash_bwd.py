@@ -225,6 +225,39 @@ def _hilo(plgpu, acc8, cols: tuple[int, ...] = (0, 1)):
     return jnp.where(keep, acc8, 0.0).sum(axis=1)
 
 
+def _own_inputs(pl, plgpu, wg, tiles, in_bar, rows, row_refs, flip_refs, names, scratch):
+    """A compute warpgroup's own inputs: its two operand tiles (``tiles``: (gmem, smem) pairs) on
+    ``in_bar``, then its rows (``rows``: the index into (B, heads, L) arrays) of the per-row f32
+    inputs and of the int32 flip sites, loaded into registers in the row layout. Returns (the f32
+    rows, {gemm: (bit, col)})."""
+    rows_f, rows_i, row_bar = scratch
+    n_rows, n_in = len(row_refs), len(row_refs) + len(flip_refs)
+    for src, dst in tiles:
+        plgpu.copy_gmem_to_smem(src, dst, in_bar.at[wg])
+    dsts = [rows_f.at[wg, i] for i in range(n_rows)] + [rows_i.at[wg, i] for i in range(len(flip_refs))]
+    for i, (src, dst) in enumerate(zip([*row_refs, *flip_refs], dsts, strict=True)):
+        plgpu.copy_gmem_to_smem(src.at[rows], dst, row_bar.at[wg * n_in + i])
+    plgpu.barrier_wait(in_bar.at[wg])
+    for i in range(n_in):
+        plgpu.barrier_wait(row_bar.at[wg * n_in + i])
+    rl = plgpu.Layout.WGMMA.reduce(1)
+    rv = [_load(plgpu, rows_f.at[wg, i], rl) for i in range(n_rows)]
+    fl = {
+        n: (_load(plgpu, rows_i.at[wg, 2 * i], rl), _load(plgpu, rows_i.at[wg, 2 * i + 1], rl))
+        for i, n in enumerate(names)
+    }
+    return rv, fl
+
+
+def _zeros(plgpu, n: int):
+    """Zero f32 accumulators of any shape (WGMMA layout) and a zero row vector of n rows."""
+    wl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    return (
+        lambda shape: plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), wl),
+        lambda: plgpu.layout_cast(jnp.full((n,), 0, jnp.float32), rl),
+    )
+
+
 def _dq_call(
     q, k, v, do, rows, tiles, flips, *, causal: bool, c: float, scale: float, checks: bool, c_sum, cfg
 ):
@@ -244,7 +277,7 @@ def _dq_call(
     n_rows = len(rows)
     names = [n for n in _Q_GEMMS if n in flips]
     n_in = n_rows + 2 * len(names)
-    wl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    wl = plgpu.Layout.WGMMA
     n_t = 3 if checks else 0
 
     def kernel(refs, scoped):
@@ -265,31 +298,12 @@ def _dq_call(
             qs, dos = q2.at[wg], do2.at[wg]
             base = cta_base + wg * bq
             sl = (batch, pl.ds(base, bq), q_head)
-            plgpu.copy_gmem_to_smem(q_ref.at[sl], qs, in_bar.at[wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[sl], dos, in_bar.at[wg])
-            srcs = list(row_refs) + list(flip_refs)
-            dsts = [rows_f.at[wg, i] for i in range(n_rows)] + [
-                rows_i.at[wg, i] for i in range(2 * len(names))
-            ]
-            for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
-                plgpu.copy_gmem_to_smem(
-                    src.at[batch, q_head, pl.ds(base, bq)], dst, row_bar.at[wg * n_in + i]
-                )
-            plgpu.barrier_wait(in_bar.at[wg])
-            for i in range(n_in):
-                plgpu.barrier_wait(row_bar.at[wg * n_in + i])
-            rv = [_load(plgpu, rows_f.at[wg, i], rl) for i in range(n_rows)]
+            rv, fl = _own_inputs(
+                pl, plgpu, wg, [(q_ref.at[sl], qs), (do_ref.at[sl], dos)], in_bar,
+                (batch, q_head, pl.ds(base, bq)), row_refs, flip_refs, names, (rows_f, rows_i, row_bar),
+            )  # fmt: skip
             lse2, delta = rv[:2]
-            fl = {
-                n: (_load(plgpu, rows_i.at[wg, 2 * i], rl), _load(plgpu, rows_i.at[wg, 2 * i + 1], rl))
-                for i, n in enumerate(names)
-            }
-
-            def zeros(shape):
-                return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), wl)
-
-            def row0():
-                return plgpu.layout_cast(jnp.full((bq,), 0, jnp.float32), rl)
+            zeros, row0 = _zeros(plgpu, bq)
 
             bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
@@ -468,7 +482,7 @@ def _dkv_call(
     n_rows = len(rows)
     names = [n for n in _K_GEMMS if n in flips]
     n_in = n_rows + 2 * len(names)
-    wl, rl, cl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    wl, cl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
     n_t = 4 if checks else 0
     diag = (2 * bk) // bq  # query blocks that overlap a CTA's keys (causal): the masked ones
 
@@ -497,30 +511,11 @@ def _dkv_call(
             ks, vs = k2.at[wg], v2.at[wg]
             base = cta_base + wg * bk
             sl = (batch, pl.ds(base, bk), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[sl], ks, in_bar.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[sl], vs, in_bar.at[wg])
-            srcs = list(row_refs) + list(flip_refs)
-            dsts = [rows_f.at[wg, i] for i in range(n_rows)] + [
-                rows_i.at[wg, i] for i in range(2 * len(names))
-            ]
-            for i, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
-                plgpu.copy_gmem_to_smem(
-                    src.at[batch, kv_head, pl.ds(base, bk)], dst, row_bar.at[wg * n_in + i]
-                )
-            plgpu.barrier_wait(in_bar.at[wg])
-            for i in range(n_in):
-                plgpu.barrier_wait(row_bar.at[wg * n_in + i])
-            rv = [_load(plgpu, rows_f.at[wg, i], rl) for i in range(n_rows)]
-            fl = {
-                n: (_load(plgpu, rows_i.at[wg, 2 * i], rl), _load(plgpu, rows_i.at[wg, 2 * i + 1], rl))
-                for i, n in enumerate(names)
-            }
-
-            def zeros(shape):
-                return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), wl)
-
-            def row0():
-                return plgpu.layout_cast(jnp.full((bk,), 0, jnp.float32), rl)
+            rv, fl = _own_inputs(
+                pl, plgpu, wg, [(k_ref.at[sl], ks), (v_ref.at[sl], vs)], in_bar,
+                (batch, kv_head, pl.ds(base, bk)), row_refs, flip_refs, names, (rows_f, rows_i, row_bar),
+            )  # fmt: skip
+            zeros, row0 = _zeros(plgpu, bk)
 
             rows_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
             cols_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
