@@ -258,6 +258,31 @@ def _zeros(plgpu, n: int):
     )
 
 
+def _scoped(pl, plgpu, kernel, refs, smem, bars, stages: int) -> None:
+    """``kernel(refs, (smem, bars, consumed))`` with its scratch allocated: two consumed barriers per
+    stage, each expecting both compute warpgroups."""
+    pl.run_scoped(
+        lambda *scoped: kernel(refs, scoped),
+        smem,
+        bars,
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        collective_axes="wg",
+    )
+
+
+def _launch(plgpu, entry, out_type, grid, seq_axis: str):
+    """The kernel over (heads, blocks of two warpgroups' rows, batch), three warpgroups per CTA."""
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=grid,
+        grid_names=("heads", seq_axis, "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+
+
 def _dq_call(
     q, k, v, do, rows, tiles, flips, *, causal: bool, c: float, scale: float, checks: bool, c_sum, cfg
 ):
@@ -427,25 +452,13 @@ def _dq_call(
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
             plgpu.Barrier(num_barriers=2 * n_in),
         )
-        pl.run_scoped(
-            lambda *scoped: kernel(refs, scoped),
-            smem,
-            bars,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            collective_axes="wg",
-        )
+        _scoped(pl, plgpu, kernel, refs, smem, bars, stages)
 
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
-    return plgpu.kernel(
-        entry,
-        out_type=[jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * n_t,
-        grid=(h, t // (2 * bq), b),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, do, *rows, *tiles, *flat_flips)
+    out_type = [jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * n_t
+    launch = _launch(plgpu, entry, out_type, (h, t // (2 * bq), b), "q_seq")
+    return launch(q, k, v, do, *rows, *tiles, *flat_flips)
 
 
 def _dkv_call(
@@ -668,26 +681,13 @@ def _dkv_call(
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
             plgpu.Barrier(num_barriers=max(2 * n_in, 1)),
         )
-        pl.run_scoped(
-            lambda *scoped: kernel(refs, scoped),
-            smem,
-            bars,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            collective_axes="wg",
-        )
+        _scoped(pl, plgpu, kernel, refs, smem, bars, stages)
 
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
-    return plgpu.kernel(
-        entry,
-        out_type=[kv_shape, kv_shape] + [row] * n_t,
-        grid=(kvh, s // (2 * bk), b),
-        grid_names=("heads", "kv_seq", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
+    launch = _launch(plgpu, entry, [kv_shape, kv_shape] + [row] * n_t, (kvh, s // (2 * bk), b), "kv_seq")
+    return launch(q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
 
 
 def _check_inputs(q, k, v, out, lse, do, causal: bool, cfg: FlashBwdConfig, name: str) -> None:
