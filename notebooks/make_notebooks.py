@@ -123,6 +123,30 @@ print(report.summary())
 diff = jnp.abs(out.astype(jnp.float32) - out_clean.astype(jnp.float32))
 print("max |out - clean|:", float(jnp.max(diff)))""",
     ),
+    (
+        "md",
+        """The backward pass (`ops.flash_attention_bwd`) runs two kernels from the forward's output and
+logsumexp, one per block of query rows (dq) and one per block of key rows (dk, dv), and checks all
+seven of their GEMMs the same way: three per query row, four per key row. One bit flipped in dk's
+accumulator at key row t // 3 shows up in dk's check of that row alone.""",
+    ),
+    (
+        "code",
+        """bwd = ops.flash_attention_bwd if ops._fused_gemm.hopper() else ops.flash_attention_bwd_reference
+out, lse, _ = flash(q, k, v)
+dout = jax.random.normal(jax.random.key(4), q.shape).astype(jnp.bfloat16)
+*_, clean_bwd = bwd(q, k, v, out, lse, dout)
+bits, cols = np.full((b, kv, t), -1, np.int32), np.zeros((b, kv, t), np.int32)
+bits[0, 1, t // 3], cols[0, 1, t // 3] = 27, 7
+*_, hit_bwd = bwd(q, k, v, out, lse, dout, ops.FlashBwdFaults(dk=(jnp.asarray(bits), jnp.asarray(cols))))
+fig, axes = plt.subplots(1, 7, figsize=(16, 2.8), sharey=True)
+for ax, name in zip(axes, ops.FlashBwdChecks._fields):
+    row = "query" if name in ("scores", "dp", "dq") else "key"
+    ax.semilogy(np.maximum(np.asarray(getattr(clean_bwd, name))[0, 1], 1e-8), ".", ms=2, label="clean")
+    ax.semilogy(np.minimum(np.asarray(getattr(hit_bwd, name))[0, 1], 1e9), "x", ms=3, label="dk bit flipped")
+    ax.axhline(1.0, color="k", lw=0.8); ax.set_title(name); ax.set_xlabel(f"{row} row (head 1)")
+axes[0].set_ylabel("|difference| / bound"); axes[-1].legend(fontsize=7); plt.tight_layout(); plt.show()""",
+    ),
     ("md", "## One line for an existing model: `pimlayers.protect`"),
     (
         "code",
