@@ -3,6 +3,7 @@ profiler, the device's kernels summed by name and by the JAX scope that launched
 
 python -m benchmarks.profile --layers 2 --protect          # one GPU, Llama-3-8B dims, T = 8192
 python -m benchmarks.profile --layers 2 --protect --fused  # the same with FaultPolicy(fused=True)
+python -m benchmarks.profile --layers 2 --flash on         # unprotected, cuDNN's flash attention
 python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect   # a CPU smoke run
 
 Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) with each entry's
@@ -89,6 +90,12 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true", help="FaultPolicy(fused=True): the fused forward GEMM")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
+        "--flash",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="attention's flash kernel (train's --flash)",
+    )
+    ap.add_argument(
         "--out", default="", help="folder for the trace and summary.json (default: a temporary one)"
     )
     ap.add_argument("--top", type=int, default=25)
@@ -98,7 +105,7 @@ def main() -> None:
     cfg = dict(
         config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,
         remat=True, devices=n, eval_every=10**9, eval_windows=n, warmup=1, protect=args.protect,
-        fused=args.fused, flip_every=0, gemm_fault_rate=0.0, nan_rate=0.0, quiet=True,
+        fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0, nan_rate=0.0, quiet=True,
     )  # fmt: skip
     train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))  # compiles outside the trace
     opts = jax.profiler.ProfileOptions()

@@ -6,7 +6,8 @@
 
 (XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
 buffer's end is not hidden inside XLA's pool.) The Pallas Mosaic-GPU flash attention kernel (Hopper)
-and its backward kernels have their own cases, run with ``python tests/sanitize_gpu.py flash`` and
+and its backward kernels have their own cases, run with ``python tests/sanitize_gpu.py flash`` (or
+``flash fwd``, ``flash bwd``: one kernel's) and
 ``K='regex=mosaic'`` (the kernels are named ``entry_mosaic_gpu_kernel``); not yet run under the tool.
 
 The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
@@ -26,22 +27,26 @@ import test_gpu as T  # noqa: E402
 import test_gpu_memory as TM  # noqa: E402
 
 
-def flash_cases() -> list:
+def flash_cases(which: str = "") -> list:
+    """The flash kernels' cases: the forward's (``which="fwd"``), the backward's ("bwd") or both."""
     import test_gpu_flash as TF
     import test_gpu_flash_bwd as TB
 
-    return [
+    fwd = [
         *[(TF.test_kernel_matches_reference, (None, shape, TF.ops.FlashConfig())) for shape in TF.SHAPES[:3]],
         *[(TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape)) for shape in TF.SHAPES[:2]],
+    ]
+    bwd = [
         *[(TB.test_bwd_kernels_match_the_reference, (None, shape)) for shape in TB.SHAPES[:4]],
         *[(TB.test_bwd_kernels_flag_the_flipped_rows, (None, gemm, 30)) for gemm in ("dq", "dp_t", "dk")],
     ]
+    return {"fwd": fwd, "bwd": bwd}.get(which, fwd + bwd)
 
 
 def main() -> None:
     gpu = jax.devices("cuda")[0]
-    if sys.argv[1:] == ["flash"]:
-        for i, (fn, args) in enumerate(cases := flash_cases()):
+    if sys.argv[1:2] == ["flash"]:
+        for i, (fn, args) in enumerate(cases := flash_cases(*sys.argv[2:3])):
             fn(*args)
             print(f"{i + 1}/{len(cases)} {fn.__name__}{tuple(str(a) for a in args[1:])} ok", flush=True)
         return
