@@ -22,6 +22,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def _batch(fn: Callable[..., Any], args, iters: int) -> float:
+    """Seconds per call of ``iters`` back-to-back calls, closed by block_until_ready."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
 def time_fn(fn: Callable[..., Any], *args, warmup: int = 3, iters: int = 20, repeats: int = 5) -> float:
     """Median seconds per call of a jitted fn, over `repeats` batches of `iters` back-to-back calls.
 
@@ -30,15 +40,37 @@ def time_fn(fn: Callable[..., Any], *args, warmup: int = 3, iters: int = 20, rep
     """
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    samples = []
+    return statistics.median(_batch(fn, args, iters) for _ in range(repeats))
+
+
+def time_pair(
+    a: Callable[..., Any],
+    args_a,
+    b: Callable[..., Any],
+    args_b,
+    *,
+    warmup: int = 3,
+    iters: int = 20,
+    repeats: int = 7,
+) -> tuple[float, float, float]:
+    """Two jitted fns timed in alternating batches (a, b, a, b, ...), as :func:`time_fn` times one.
+
+    Returns (median seconds per call of a, of b, median over the rounds of a's time / b's). On a
+    shared or throttling machine the drift between two timings taken one after the other can exceed
+    the difference measured (seen: +-50% on a 2-core CPU); within a round it falls on both alike.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(a(*args_a))
+        jax.block_until_ready(b(*args_b))
+    ta, tb = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
+        ta.append(_batch(a, args_a, iters))
+        tb.append(_batch(b, args_b, iters))
+    return (
+        statistics.median(ta),
+        statistics.median(tb),
+        statistics.median(x / y for x, y in zip(ta, tb, strict=True)),
+    )
 
 
 def fold_firsts(out):

@@ -17,7 +17,7 @@ import numpy as np
 from pimlayers import FaultPolicy, ops
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 
-from ._harness import time_fn
+from ._harness import time_fn, time_pair
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
 SMALL_SHAPES = [(256, 1024), (1024, 256), (512, 512)]  # the CPU goal: "protected Dense at small sizes"
@@ -54,12 +54,12 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         if rep.to_dict()["gemm_detected"] or err > 0.05:
             raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
     flops = 2.0 * m * k * n
-    t0, t1 = time_fn(plain, x, w), time_fn(prot, x, w, enc)
+    t0, t1, ratio = time_pair(plain, (x, w), prot, (x, w, enc))
     extra = {}
     if with_fused:
         t2 = time_fn(fused, x, w, enc)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
-    rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, **extra))
+    rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     # value_and_grad: the loss value needs y, so both sides run all three GEMMs, as training does.
     def loss_plain(a, b, c):
@@ -76,23 +76,26 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(gp, gq, strict=True)
     )
-    t0, t1 = time_fn(plain_g, x, w, g), time_fn(prot_g, x, w, enc, g)
+    t0, t1, ratio = time_pair(plain_g, (x, w, g), prot_g, (x, w, enc, g))
     extra = {}
     if with_fused:
         t2 = time_fn(fused_g, x, w, enc, g)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
-    rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, max_grad_diff=gerr, **extra))
+    rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
 
 
-def _row(op: str, m: int, policy: FaultPolicy, t0: float, t1: float, flops: float, **extra) -> dict:
+def _row(
+    op: str, m: int, policy: FaultPolicy, t0: float, t1: float, flops: float, ratio: float, **extra
+) -> dict:
+    """ratio: plain / protected, the median of alternating rounds' ratios (time_pair)."""
     return dict(
         op=op,
         m=m,
         block_n=policy.block_n or "row",
         plain_ms=t0 * 1e3,
         protected_ms=t1 * 1e3,
-        ratio=t0 / t1,
+        ratio=ratio,
         plain_tflops=flops / t0 / 1e12,
         protected_tflops=flops / t1 / 1e12,
         **extra,
