@@ -193,6 +193,25 @@ def test_transposed_encode_and_checks_match_the_materialised_transpose(n, k, blo
         ops.abft_checks(jnp.ones((2, 9, 9)), want, transposed=True)
 
 
+@pytest.mark.parametrize("block_n", [None, 16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_f32_checks_equal_the_products_in_f64(block_n, transposed):
+    """c = x·sums and mag = |x|·abs_sums against f64 products, for a batch of weights and an x
+    broadcast over it or stored transposed."""
+    kx, kw = jax.random.split(jax.random.key(3))
+    w = jax.random.normal(kw, (3, 40, 48), jnp.float32)  # (G, K, N)
+    enc = ops.abft_encode(w, block_n)
+    x = jax.random.normal(kx, (3, 40, 5) if transposed else (2, 3, 5, 40), jnp.float32)
+    c, mag = ops.abft_checks(x, enc, transposed=transposed)
+    xr = np.swapaxes(np.asarray(x, np.float64), -1, -2) if transposed else np.asarray(x, np.float64)
+    nb = enc.abs_sums.shape[-1]
+    want_c = (xr @ np.asarray(enc.sums, np.float64).reshape(3, 40, nb * 2)).reshape(*xr.shape[:-1], nb, 2)
+    want_mag = np.abs(xr) @ np.asarray(enc.abs_sums, np.float64)
+    assert c.shape == want_c.shape and mag.shape == want_mag.shape
+    np.testing.assert_allclose(c, want_c, rtol=1e-5, atol=1e-5 * np.abs(want_c).max())
+    np.testing.assert_allclose(mag, want_mag, rtol=1e-5)
+
+
 def _flip_np(v, bit):
     return (np.asarray(v, np.float32).view(np.uint32) ^ np.uint32(1 << bit)).view(np.float32)
 
