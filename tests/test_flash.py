@@ -236,6 +236,51 @@ def test_flash_errors_name_the_obstacle():
         L.attention_core(*f32, policy=POLICY, flash=True)
 
 
+def test_ragged_causal_attention_runs_padded_to_the_kernels_length(monkeypatch):
+    """T = 200 (not a multiple of 128): the flash path runs at 256 (zero rows appended, hidden by the
+    causal mask) and returns what the materialised path returns, gradients included."""
+    import pimlayers.layers.attention as A
+
+    lengths = []
+    ref = A.flash_attention_reference
+
+    def spy(q, *a, **kw):
+        lengths.append(q.shape[1])
+        return ref(q, *a, **kw)
+
+    monkeypatch.setattr(A, "flash_attention_reference", spy)
+    t = 200
+    q, k, v = _qkv(t=t, seed=11)
+    g = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
+
+    def loss(q, k, v, flash):
+        out, r = L.attention_core(q, k, v, policy=POLICY, flash=flash)
+        return jnp.sum(out.astype(jnp.float32) * g), (out, r)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, (o1, r1)), g1 = grad(q, k, v, True)
+    (_, (o2, r2)), g2 = grad(q, k, v, False)
+    assert set(lengths) == {256} and o1.shape == q.shape
+    np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32), atol=3e-2)
+    assert r1.to_dict() == {**r1.zeros().to_dict(), "gemm_checked": 2 * B * KV}
+    assert r2.to_dict()["gemm_detected"] == 0
+    for a, c in zip(g1, g2, strict=True):
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        assert np.max(np.abs(a - c)) <= 2e-2 * float(np.max(np.abs(c)))  # a few bf16 ulps
+
+
+def test_ragged_lengths_the_padding_cannot_serve_are_refused():
+    q, k, v = _qkv(t=200)
+    with pytest.raises(ValueError, match=r"outside the kernel's shapes"):
+        L.attention_core(q, k, v, policy=POLICY, flash=True, causal=False)  # appended keys would be seen
+    f = GemmFaults(*(jnp.array([x]) for x in (3, 5, 30)), jnp.array([True]))
+    with pytest.raises(ValueError, match=r"any T without injected faults"):
+        L.attention_core(q, k, v, policy=POLICY, flash=True, faults={"scores": f})
+    # Without flash=True the same calls take the materialised path.
+    out, r = L.attention_core(q, k, v, policy=POLICY, faults={"scores": f})
+    assert out.shape == q.shape and r.to_dict()["gemm_detected"] == 1
+
+
 def test_default_is_materialised_off_hopper():
     q, k, v = _qkv()
     if ops._fused_gemm.hopper():

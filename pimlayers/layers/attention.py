@@ -5,7 +5,8 @@ The core's two products — scores = q·kᵀ and out = p·v — are checked like
 (batch, KV head) with that head's query group stacked into its rows. The softmax runs in float32.
 
 On a Hopper GPU, with protection on and the shapes the kernel takes (bf16, queries at the keys'
-positions, no mask or partly filled cache), the forward pass instead runs
+positions, no mask or partly filled cache; causal self-attention of any length, padded with zero
+rows to a multiple of 128 that the causal mask hides), the forward pass instead runs
 :func:`pimlayers.ops.flash_attention`: flash attention with both GEMMs' checksums verified inside the
 kernel, the scores never materialised; a detected fault reruns the kernel. Its backward pass starts
 from the forward's output and logsumexp: the scores are recomputed by one checked GEMM and the
@@ -127,7 +128,7 @@ def attention_core(
             raise ValueError(f"{name}: flash=True, but {why_not}")
         with jax.named_scope(name):
             return _unverified_flash(q, k, v, scale, causal, policy)
-    why_not = _flash_obstacle(q, k, policy, q_positions, kv_length, mask, causal)
+    why_not = _flash_obstacle(q, k, policy, q_positions, kv_length, mask, causal, faults)
     if flash and why_not:
         raise ValueError(f"{name}: flash=True, but {why_not}")
     if flash or (flash is None and not why_not and hopper() and _per_device()):
@@ -222,7 +223,21 @@ def _unverified_flash(q, k, v, scale: float, causal: bool, policy: FaultPolicy):
     return out, report
 
 
-def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, causal: bool) -> str:
+_ROWS = 128  # the kernels' sequence multiple: two 64-row query warpgroups, 128-key blocks
+
+
+def _flash_length(t: int, s: int, causal: bool, faults) -> int:
+    """The sequence length the kernels run at: T, or for causal self-attention whose T is not a
+    multiple of 128 (and no injected faults: their sites name the unpadded rows) the next multiple.
+    The zero rows appended to q, k and v change nothing: every appended key comes after every real
+    query, so the causal mask hides it, and the appended queries' rows are dropped (their cotangent
+    is zero, so they add nothing to dk and dv either)."""
+    if causal and t == s and t % _ROWS and not faults:
+        return -(-t // _ROWS) * _ROWS
+    return t
+
+
+def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, causal: bool, faults) -> str:
     """Why the verified flash path does not apply ("" when it does)."""
     if not policy.enabled:
         return f"protection is off (mode {policy.mode!r}): the flash kernel's checks are its protection"
@@ -231,10 +246,12 @@ def _flash_obstacle(q, k, policy: FaultPolicy, q_positions, kv_length, mask, cau
         return why
     if q.dtype != jnp.bfloat16:
         return f"q has dtype {q.dtype}; the kernel's checksums are bf16"
-    if not flash_supported(q.shape, k.shape, q.dtype, causal):
+    b, t, h, d = q.shape
+    tp = _flash_length(t, k.shape[1], causal, faults)
+    if not flash_supported((b, tp, h, d), (b, k.shape[1] + tp - t, *k.shape[2:]), q.dtype, causal):
         return (
             f"q {q.shape}, k {k.shape} (causal={causal}) are outside the kernel's shapes "
-            "(D 64 or 128, T a multiple of 128, S of 128, T == S when causal)"
+            "(D 64 or 128, T a multiple of 128 and S of 128; causal: T == S, any T without injected faults)"
         )
     return ""
 
@@ -417,6 +434,11 @@ _flash_vjp.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
 def _flash_core(q, k, v, faults, tap, scale: float, causal: bool, policy: FaultPolicy, reference: bool):
     b, t, h, _ = q.shape
     kvh = k.shape[2]
+    tp = _flash_length(t, k.shape[1], causal, faults)
+    if tp != t:  # causal, ragged, no faults: zero rows appended, their outputs dropped
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+        out, report = _flash_core(pad(q), pad(k), pad(v), faults, tap, scale, causal, policy, reference)
+        return out[:, :t], report
     f_scores, b_scores = _split_faults(faults.get("scores"))
     f_pv, b_pv = _split_faults(faults.get("pv"))
     ff = _flash_faults(f_scores, f_pv, b, h, t, kvh)
