@@ -242,13 +242,16 @@ def test_ragged_causal_attention_runs_padded_to_the_kernels_length(monkeypatch):
     import pimlayers.layers.attention as A
 
     lengths = []
-    ref = A.flash_attention_reference
 
-    def spy(q, *a, **kw):
-        lengths.append(q.shape[1])
-        return ref(q, *a, **kw)
+    def spy(fn):
+        def call(q, *a, **kw):
+            lengths.append(q.shape[1])
+            return fn(q, *a, **kw)
 
-    monkeypatch.setattr(A, "flash_attention_reference", spy)
+        return call
+
+    for name in ("flash_attention", "flash_attention_reference"):  # the kernel on a Hopper GPU
+        monkeypatch.setattr(A, name, spy(getattr(A, name)))
     t = 200
     q, k, v = _qkv(t=t, seed=11)
     g = jax.random.normal(jax.random.key(12), q.shape, jnp.float32)
