@@ -6,8 +6,11 @@ python -m benchmarks.profile --layers 2 --protect --fused  # the same with Fault
 python -m benchmarks.profile --layers 2 --flash on         # unprotected, cuDNN's flash attention
 python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect   # a CPU smoke run
 
-Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) with each entry's
-share of the summed device time, and writes them as JSON next to the trace (``--out``). On a CPU
+Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
+the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
+run's one-off work (parameter initialisation, the first encode, the final repair and evaluation)
+cancelled. Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) in ms
+per step with each entry's share, and writes them as JSON next to the traces (``--out``). On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
 and Python frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -53,8 +56,9 @@ def _scope(e: dict) -> str:
     return "(no scope recorded)"
 
 
-def summarize(trace_dir: pathlib.Path, top: int = 25) -> dict:
-    """Sum the trace's device kernels (or, with no device timeline, the host's XLA ops)."""
+def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collections.Counter]:
+    """(timeline, µs by kernel name, µs by scope) of the trace's device kernels, or with no device
+    timeline, of the host's XLA ops."""
     events, procs = _events(trace_dir)
     device = {pid for pid, name in procs.items() if "/device:" in name}
     by_name: collections.Counter = collections.Counter()
@@ -67,16 +71,35 @@ def summarize(trace_dir: pathlib.Path, top: int = 25) -> dict:
         dur = float(e.get("dur", 0.0))
         by_name[e["name"]] += dur
         by_scope[_scope(e)] += dur
-    total = sum(by_name.values()) or 1.0
+    return ("device" if device else "host"), by_name, by_scope
+
+
+def summarize(
+    trace_dir: pathlib.Path, top: int = 25, base_dir: pathlib.Path | None = None, steps: int = 1
+) -> dict:
+    """Sum the trace's device kernels (or, with no device timeline, the host's XLA ops), less those
+    of ``base_dir`` (a trace of the same run with ``steps`` fewer steps) when given, divided by
+    ``steps``: ms per step. A name whose difference is not positive is left out of the tables (its
+    time is the same in both runs, to noise), not out of the total."""
+    timeline, names, scopes = _sums(trace_dir)
+    if base_dir is not None:
+        _, names0, scopes0 = _sums(base_dir)
+        names = collections.Counter({k: names[k] - names0.get(k, 0.0) for k in names.keys() | names0.keys()})
+        scopes = collections.Counter(
+            {k: scopes[k] - scopes0.get(k, 0.0) for k in scopes.keys() | scopes0.keys()}
+        )
+    total = sum(names.values()) / steps
 
     def table(c: collections.Counter) -> list[dict]:
-        return [dict(name=k, ms=v / 1e3, share=v / total) for k, v in c.most_common(top)]
+        rows = [(k, v / steps) for k, v in c.most_common() if v > 0][:top]
+        return [dict(name=k, ms=v / 1e3, share=v / total if total > 0 else 0.0) for k, v in rows]
 
     return dict(
-        timeline="device" if device else "host",
+        timeline=timeline,
+        steps=steps,
         total_ms=total / 1e3,
-        kernels=table(by_name),
-        scopes=table(by_scope),
+        kernels=table(names),
+        scopes=table(scopes),
     )
 
 
@@ -85,7 +108,7 @@ def main() -> None:
     ap.add_argument("--config", default="llama3_8b")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="steps traced (after one untraced step)")
+    ap.add_argument("--steps", type=int, default=3, help="steps the longer traced run adds")
     ap.add_argument("--protect", action="store_true")
     ap.add_argument("--fused", action="store_true", help="FaultPolicy(fused=True): the fused forward GEMM")
     ap.add_argument("--dtype", default="bfloat16")
@@ -107,17 +130,20 @@ def main() -> None:
         remat=True, devices=n, eval_every=10**9, eval_windows=n, warmup=1, protect=args.protect,
         fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0, nan_rate=0.0, quiet=True,
     )  # fmt: skip
-    train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))  # compiles outside the trace
+    train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))  # compiles outside the traces
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)
-    with jax.profiler.trace(str(out / "trace"), create_perfetto_trace=True, profiler_options=opts):
-        train(TrainConfig(steps=args.steps, out_dir=str(out / "run"), **cfg))
-    s = summarize(out / "trace", args.top)
+    for name, steps in (("base", 1), ("trace", 1 + args.steps)):
+        with jax.profiler.trace(str(out / name), create_perfetto_trace=True, profiler_options=opts):
+            train(TrainConfig(steps=steps, out_dir=str(out / f"run-{name}"), **cfg))
+    s = summarize(out / "trace", args.top, base_dir=out / "base", steps=args.steps)
     s.update(command=f"python -m benchmarks.profile {' '.join(f'--{k} {v}' for k, v in vars(args).items())}")
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
-    print(f"{s['timeline']} time summed: {s['total_ms']:.1f} ms over {args.steps} steps ({out})")
+    print(
+        f"{s['timeline']} time per step: {s['total_ms']:.1f} ms (runs of 1 and {1 + args.steps} steps; {out})"
+    )
     for title, rows in (("kernels", s["kernels"]), ("scopes", s["scopes"])):
-        print(f"\n{title}:")
+        print(f"\n{title} (ms per step):")
         for r in rows:
             print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}")
 

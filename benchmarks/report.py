@@ -103,7 +103,9 @@ and without their checks, against cuDNN's backward taken as its fwd+bwd less its
 Reading the profile tables: `python -m benchmarks.profile` traces a short training run under the JAX
 profiler and sums the device kernels by name; `ms_per_step` divides by the steps traced, `share` is
 of all device kernel time. `profile-off` and `profile-protect` are the same run without and with
-protection, so their difference is what protection costs and where.
+protection, so their difference is what protection costs and where. Those files trace one run whole
+(its initialisation and final repair and evaluation included); the tool now traces runs of 1 and
+1 + N steps and divides their difference by N, cancelling that one-off work.
 """
 
 

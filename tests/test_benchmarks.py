@@ -93,6 +93,26 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     assert abs(sum(r["share"] for r in s["kernels"]) - 1.0) < 1e-6 or len(names) == 50
 
 
+def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(monkeypatch, tmp_path):
+    """The longer run's kernel times less the shorter run's, per added step: a kernel both runs spent
+    equally on (initialisation) drops out of the tables; one that only the steps run is divided."""
+    import collections
+
+    from benchmarks import profile
+
+    us = {  # µs per kernel: "init" once in either run, "gemm" 100 per step, "check" 10 per step
+        tmp_path / "long": {"init": 500.0, "gemm": 400.0, "check": 40.0},
+        tmp_path / "short": {"init": 500.0, "gemm": 100.0, "check": 10.0, "warm_only": 5.0},
+    }
+    monkeypatch.setattr(
+        profile, "_sums", lambda d: ("device", collections.Counter(us[d]), collections.Counter(us[d]))
+    )
+    s = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)
+    assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
+    assert [(r["name"], round(r["ms"] * 1e3, 9)) for r in s["kernels"]] == [("gemm", 100.0), ("check", 10.0)]
+    assert abs(s["kernels"][0]["share"] - 100.0 / ((300 + 30 - 5) / 3)) < 1e-12
+
+
 def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
     import jax
     import jax.numpy as jnp
