@@ -104,6 +104,23 @@ def test_a_mantissa_flip_past_the_rounding_is_flagged():
     assert float(r[0, 1, 100]) > 1.0
 
 
+def test_dk_magnitude_block_maxima_cover_every_query_of_their_block():
+    # The dk/dv kernel bounds Σ |ds|·‖q‖₁ per query block by Σ |ds| times the block's ``qm``: it
+    # must be at least every row's ‖q‖₁ with ds's rounding to bf16 (2^-8) on top, and no looser.
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    q, k, v, _, _, do = _inputs(seed=6)
+    cfg = FlashBwdConfig()
+    qm = flash_bwd_bounds(q, k, v, do, lam=8.0, config=cfg)["qm"]
+    assert qm.shape == (B, H, T // cfg.block_q, cfg.block_kv) and qm.dtype == jnp.float32
+    assert np.all(np.asarray(qm) == np.asarray(qm[..., :1]))  # one value per block, per key row
+    q1 = np.abs(np.asarray(q, np.float32)).sum(-1).transpose(0, 2, 1)  # (B, H, T)
+    blocks = q1.reshape(B, H, T // cfg.block_q, cfg.block_q)
+    got = np.asarray(qm[..., 0])
+    assert np.all(got >= blocks.max(-1) * (1 + 2.0**-8))
+    assert np.all(got <= blocks.max(-1) * (1 + 2.0**-6))
+
+
 def test_nan_in_the_cotangent_is_flagged():
     q, k, v, out, lse, do = _inputs(seed=5)
     do = do.at[0, 17, 2].set(jnp.nan)

@@ -21,20 +21,25 @@ dk/dv kernel (per key row c, over the group's query heads and query blocks i of 
 
 * sᵀ = k·qᵀ and dpᵀ = v·doᵀ: row sums against k·qsum_i and v·dosum_i, fused as above;
 * dv = pᵀ·do and dk = dsᵀ·q: at the end, row sums against Σ pᵀ·dod and Σ dsᵀ·qd (dod, qd: each
-  row of do, q summed over D), from small wgmmas whose tiles' third rows ‖do_q‖₁ and ‖q_q‖₁ give
-  the magnitudes Σ p·‖do‖₁ (p >= 0) and, from |ds|, Σ |ds|·‖q‖₁.
+  row of do, q summed over D), from two small wgmmas into one accumulator (N = 8: the dod tile's
+  rows are [hi, lo, ‖do_q‖₁, 0 x 5], the qd tile's [0 x 3, hi, lo, 0 x 3]), whose third column is
+  the magnitude Σ p·‖do‖₁ (p >= 0). dk's magnitude Σ |ds|·‖q‖₁ is bounded per query block by
+  Σ |ds| (summed in registers) times the block's largest ‖q‖₁ (1.2 times the per-query sum for
+  Gaussian q): a third wgmma, of |ds| against ‖q‖₁, kept another register operand live, and the
+  backward took 5.13 ms against 4.57 at T = 8192, 32/8 heads (H200).
 
 Bounds (``lam`` as :class:`pimlayers.FaultPolicy`'s; u = 2^-24):
 
     block checks (s, dp, sᵀ, dpᵀ): u (lam (2 sqrt(D) + sqrt(block) + 2) + 64) |a row|·bmax
     dq:     c(S)     Σ_c |ds[r, c]| ‖k_c‖₁
-    dv, dk: c(G T)   Σ_q p[q, c] ‖do_q‖₁,  Σ_q |ds[q, c]| ‖q_q‖₁
+    dv, dk: c(G T)   Σ_q p[q, c] ‖do_q‖₁,  Σ_i (Σ_{q in i} |ds[q, c]|) max_{q in i} ‖q_q‖₁
     c(n) = u (lam (sqrt(n) + sqrt(D) + 2) + 64) (1 + 2^-6)
 
 bmax is the elementwise maximum over blocks of the block's summed |rows| (so one bound per row serves
 every block); the accumulated checks' magnitudes are the rounding error's own scale (an f32 sum of
 n products errs by about u sqrt(n) times the sum of their magnitudes), measured on the tensor cores
-from the bf16 p and ds the GEMMs multiply, the norms rounded up to bf16. The 64
+from the bf16 p and ds the GEMMs multiply, the norms rounded up to bf16 (dk's from the f32 ds, its
+block maxima scaled by 1 + 2^-7 to cover ds's rounding to bf16). The 64
 covers the hi/lo split of the checksums (2^-18 relative). A first version bounded Σ |ds| a priori
 (Cauchy-Schwarz on dp, maxima over rows) and missed a flipped exponent bit in dk: its bound was
 about 10^4 times the rounding.
@@ -156,6 +161,13 @@ def _c_sum(lam: float, d: int, n: int) -> float:
     return _U * (lam * (math.sqrt(n) + math.sqrt(d) + 2) + 64) * (1 + 2.0**-6)
 
 
+def _tile_at(hi, lo, row: int):
+    """(..., n) -> (..., CS, n): hi and lo in rows ``row`` and ``row + 1``, zeros elsewhere."""
+    z = jnp.zeros((*hi.shape[:-1], 1, hi.shape[-1]), hi.dtype)
+    rows = [z] * row + [hi[..., None, :], lo[..., None, :]] + [z] * (CS - row - 2)
+    return jnp.concatenate(rows, axis=-2)
+
+
 def _tile_mag(hi, lo, mag):
     """(..., n) -> (..., CS, n): rows hi, lo, then ``mag`` rounded to bf16 upwards (x (1 + 2^-7), then
     to nearest, is at least mag), then zeros."""
@@ -168,8 +180,10 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
     """The checksum tiles and per-row bounds the kernels read, from XLA (all small next to q, k, v).
 
     Tiles (operands' dtype): ``ks``, ``vs`` (B, KV, S/bk, CS, D) and ``qs``, ``dos`` (B, H, T/bq, CS, D)
-    hi/lo rows of each block's row sum; ``kd`` (B, KV, S/bk, CS, bk), ``qd`` and ``dod``
-    (B, H, T/bq, CS, bq) hi/lo rows of each row summed over D, then its L1 norm. Rows (f32): the block
+    hi/lo rows of each block's row sum; ``kd`` (B, KV, S/bk, CS, bk) and ``dod`` (B, H, T/bq, CS, bq)
+    hi/lo rows of each row summed over D, then its L1 norm; ``qd`` (B, H, T/bq, CS, bq) the same sums
+    in rows 3 and 4 (dk's check shares dv's accumulator), no norm; ``qm`` (B, H, T/bq, bk) f32 each
+    query block's largest ‖q‖₁ (x (1 + 2^-7)), repeated for the kernel's key rows. Rows (f32): the block
     checks' bounds ``tol_s``, ``tol_dp`` (B, H, T) and ``tol_st``, ``tol_dpt`` (B, KV, S). Scalars:
     ``c_dq``, ``c_kv``, the accumulated checks' factors (times the kernel's measured magnitudes).
     """
@@ -199,9 +213,12 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
         kd=_tile_mag(*_split(blocks(kd, bk)), blocks(k1, bk)),
         qs=_tile(*_split(qsum)),
         dos=_tile(*_split(dosum)),
-        qd=_tile_mag(*_split(blocks(qd, bq)), blocks(q1, bq)),
+        qd=_tile_at(*_split(blocks(qd, bq)), 3),
         dod=_tile_mag(*_split(blocks(dod, bq)), blocks(do1, bq)),
     )
+    # 1 + 2^-7: the kernel sums the f32 |ds|, the dk GEMM multiplies ds rounded to bf16 (<= 2^-8).
+    qm = jnp.max(blocks(q1, bq), axis=-1) * (1 + 2.0**-7)  # (B, H, T/bq)
+    tiles["qm"] = jnp.broadcast_to(qm[..., None], (*qm.shape, bk))
     hi = lax.Precision.HIGHEST
     rep = lambda x: jnp.repeat(x, g, axis=1)  # per KV head -> per query head
     kmax, vmax = jnp.max(kabs, axis=2), jnp.max(vabs, axis=2)  # (B, KV, D)
@@ -485,8 +502,8 @@ def _dkv_call(
     cfg,
 ):
     """dk, dv (and the key-row checks). lse2, δ (B, H, T) f32; rows with checks: tol_st, tol_dpt
-    (B, KV, S) f32; tiles: qs, dos, qd, dod; flips: {gemm: (bit, col)} for scores_t, dp_t, dv, dk;
-    c_sum: the dv and dk checks' factor (times Σ p·‖do‖₁, Σ |ds|·‖q‖₁, measured)."""
+    (B, KV, S) f32; tiles: qs, dos, qd, dod, qm; flips: {gemm: (bit, col)} for scores_t, dp_t, dv,
+    dk; c_sum: the dv and dk checks' factor (times Σ p·‖do‖₁ and Σ_i Σ |ds|·max ‖q‖₁, measured)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -500,8 +517,8 @@ def _dkv_call(
     n_rows = len(rows)
     names = [n for n in _K_GEMMS if n in flips]
     n_in = n_rows + 2 * len(names)
-    wl, cl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
-    n_t = 4 if checks else 0
+    wl, cl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
+    n_t = 5 if checks else 0
     diag = (2 * bk) // bq  # query blocks that overlap a CTA's keys (causal): the masked ones
 
     def kernel(refs, scoped):
@@ -511,7 +528,7 @@ def _dkv_call(
         flip_refs = refs[6 + n_rows + n_t : 6 + n_rows + n_t + 2 * len(names)]
         dk_ref, dv_ref, *r_refs = refs[6 + n_rows + n_t + 2 * len(names) :]
         smem, bars, consumed = scoped
-        k2, v2, q_smem, do_smem, qd_smem, dod_smem, lse_smem, dl_smem, rows_f, rows_i = smem
+        k2, v2, q_smem, do_smem, qd_smem, dod_smem, qm_smem, lse_smem, dl_smem, rows_f, rows_i = smem
         q_bar, do_bar, in_bar, row_bar = bars
         q_done, do_done = consumed
         batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
@@ -539,7 +556,7 @@ def _dkv_call(
             cols_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
 
             def step(n, carry, masked: bool):
-                dk_acc, dv_acc, ck, cv, ak, r_st, r_dpt = carry
+                dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = carry
                 slot = lax.rem(n, jnp.array(stages, n.dtype))
                 _, i = block_of(n)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -573,30 +590,31 @@ def _dkv_call(
                     k_ids = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wl) + base
                     p = jnp.where(q_ids >= k_ids, p, 0.0)
                 p16 = p.astype(dtype)
-                ds16 = (p * (dpt - cols_b(dl, (bk, bq)))).astype(dtype)
+                ds = p * (dpt - cols_b(dl, (bk, bq)))
+                ds16 = ds.astype(dtype)
+                if checks:
+                    # dk's magnitude: this block's Σ |ds| per key row times its largest ‖q‖₁.
+                    mag_k = mag_k + jnp.abs(ds).sum(axis=1) * _load(plgpu, qm_smem.at[slot], rl)
 
                 def mms(refs):
-                    dk_ref_, dv_ref_, ck_ref, cv_ref, ak_ref = refs
+                    dk_ref_, dv_ref_, c_ref = refs
                     plgpu.wgmma(dv_ref_, p16, do_smem.at[slot, pl.ds(0, bq)])
                     if checks:
                         # [dod hi, dod lo, ‖do‖₁] per query: p·dod for the check, p·‖do‖₁ (p >= 0)
-                        # for its bound; then the same for ds against q, its bound from |ds|.
-                        plgpu.wgmma(cv_ref, p16, dod_smem.at[slot].transpose((1, 0)))
+                        # for its bound, in columns 0-2; ds·qd for dk's check in columns 3 and 4.
+                        plgpu.wgmma(c_ref, p16, dod_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma(dk_ref_, ds16, q_smem.at[slot, pl.ds(0, bq)])
                     if checks:
-                        plgpu.wgmma(ck_ref, ds16, qd_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma(ak_ref, jnp.abs(ds16), qd_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(c_ref, ds16, qd_smem.at[slot].transpose((1, 0)))
 
                 init = lambda x: plgpu.ACC.init(x) if x is not None else None
-                dk_acc, dv_acc, ck, cv, ak = pl.run_state(mms)(
-                    (init(dk_acc), init(dv_acc), init(ck), init(cv), init(ak))
-                )
+                dk_acc, dv_acc, cc = pl.run_state(mms)((init(dk_acc), init(dv_acc), init(cc)))
                 plgpu.barrier_arrive(q_done.at[slot])
                 plgpu.barrier_arrive(do_done.at[slot])
-                return dk_acc, dv_acc, ck, cv, ak, r_st, r_dpt
+                return dk_acc, dv_acc, cc, mag_k, r_st, r_dpt
 
             c8 = zeros((bk, CS)) if checks else None
-            carry = (zeros((bk, d)), zeros((bk, d)), c8, c8, c8, row0(), row0())
+            carry = (zeros((bk, d)), zeros((bk, d)), c8, row0() if checks else None, row0(), row0())
 
             def head(hh, carry):
                 n0 = hh * count
@@ -605,7 +623,7 @@ def _dkv_call(
                     return lax.fori_loop(n0 + diag, n0 + count, functools.partial(step, masked=False), carry)
                 return lax.fori_loop(n0, n0 + count, functools.partial(step, masked=False), carry)
 
-            dk_acc, dv_acc, ck, cv, ak, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
+            dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
             for name in ("dv", "dk"):
                 if name in fl:
                     bit, col = fl[name]
@@ -617,8 +635,8 @@ def _dkv_call(
                         dk_acc = _flip(dk_acc, rows_b(bit, (bk, d)), hit)
             outs = []
             if checks:
-                r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cv), c_sum * _hilo(plgpu, cv, (2,)))
-                r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, ck), c_sum * _hilo(plgpu, ak, (2,)))
+                r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cc), c_sum * _hilo(plgpu, cc, (2,)))
+                r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, cc, (3, 4)), c_sum * mag_k)
                 outs = [r_st, r_dpt, r_dv, r_dk]
             ks[...] = (dk_acc * scale).astype(dtype)
             vs[...] = dv_acc.astype(dtype)
@@ -647,6 +665,7 @@ def _dkv_call(
                         tile_refs[0].at[batch, head, i], q_smem.at[slot, pl.ds(bq, CS)], q_bar.at[slot]
                     )
                     plgpu.copy_gmem_to_smem(tile_refs[2].at[batch, head, i], qd_smem.at[slot], q_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(tile_refs[4].at[batch, head, i], qm_smem.at[slot], q_bar.at[slot])
 
             def load_do(n, slot):
                 head, i = block_of(n)
@@ -674,15 +693,15 @@ def _dkv_call(
             plgpu.SMEM((stages, qn, d), dtype, transforms=tf),
             plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
             plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
+            plgpu.SMEM((stages, bk), jnp.float32) if checks else None,
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, max(n_rows, 4), bk), jnp.float32),
             plgpu.SMEM((2, max(2 * len(names), 1), bk), jnp.int32),
         )
-        arrivals = 4 if checks else 2
-        bars = (
-            plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+        bars = (  # one arrival per copy: q, lse (+ qs, qd, qm); do, δ (+ dos, dod)
+            plgpu.Barrier(num_arrivals=5 if checks else 2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=4 if checks else 2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
             plgpu.Barrier(num_barriers=max(2 * n_in, 1)),
         )
@@ -691,7 +710,8 @@ def _dkv_call(
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
-    launch = _launch(plgpu, entry, [kv_shape, kv_shape] + [row] * n_t, (kvh, s // (2 * bk), b), "kv_seq")
+    n_out = 4 if checks else 0  # ratio rows: scores_t, dp_t, dv, dk
+    launch = _launch(plgpu, entry, [kv_shape, kv_shape] + [row] * n_out, (kvh, s // (2 * bk), b), "kv_seq")
     return launch(q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
 
 
@@ -817,7 +837,7 @@ def flash_attention_bwd(
         q, k, v, dout, q_rows, q_tiles, {n: fl[n] for n in _Q_GEMMS if n in fl}, c_sum=c_dq, **kw
     )
     k_rows = [bd["tol_st"], bd["tol_dpt"]] if checks else []
-    k_tiles = [bd["qs"], bd["dos"], bd["qd"], bd["dod"]] if checks else []
+    k_tiles = [bd["qs"], bd["dos"], bd["qd"], bd["dod"], bd["qm"]] if checks else []
     dk, dv, *rk = _dkv_call(
         q, k, v, dout, lse2, delta, k_rows, k_tiles, {n: fl[n] for n in _K_GEMMS if n in fl}, c_sum=c_kv, **kw
     )
@@ -907,7 +927,8 @@ def flash_attention_bwd_reference(
     dlt = grp(delta)[:, :, :, None, :]
     pt = jnp.where(visible.T, jnp.exp2(st * c - lse2t), 0.0)
     p16 = pt.astype(q.dtype)
-    ds16 = (pt * (dpt - dlt)).astype(q.dtype)
+    ds = pt * (dpt - dlt)
+    ds16 = ds.astype(q.dtype)
     qg = grp(q.transpose(0, 2, 1, 3))  # (B, KV, G, T, D)
     dog = grp(dout.transpose(0, 2, 1, 3))
     dv_acc = mm("bkgst,bkgtd->bksd", p16, dog)
@@ -917,11 +938,11 @@ def flash_attention_bwd_reference(
     if "dk" in fl:
         dk_acc = flip_at(dk_acc, fl["dk"], jnp.arange(d, dtype=jnp.int32))
     dod = grp(hilo(bd["dod"]).reshape(b, h, t))
-    qd = grp(hilo(bd["qd"]).reshape(b, h, t))
+    qd = grp(hilo(bd["qd"], (3, 4)).reshape(b, h, t))
     do1 = grp(hilo(bd["dod"], (2,)).reshape(b, h, t))
-    q1 = grp(hilo(bd["qd"], (2,)).reshape(b, h, t))
+    qm = grp(bd["qm"][..., 0])  # (B, KV, G, T/bq): each query block's largest ‖q‖₁, scaled
     tol_dv = bd["c_kv"] * jnp.einsum("bkgst,bkgt->bks", f32(p16), do1, precision=hi)
-    tol_dk = bd["c_kv"] * jnp.einsum("bkgst,bkgt->bks", jnp.abs(f32(ds16)), q1, precision=hi)
+    tol_dk = bd["c_kv"] * jnp.einsum("bkgsj,bkgj->bks", qblk(jnp.abs(ds)), qm, precision=hi)
     cv = jnp.einsum("bkgst,bkgt->bks", f32(p16), dod, precision=hi)
     ck = jnp.einsum("bkgst,bkgt->bks", f32(ds16), qd, precision=hi)
     r_dv = _ratio(jnp.sum(dv_acc, -1) - cv, tol_dv)
