@@ -10,7 +10,9 @@ Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; eac
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
 run's one-off work (parameter initialisation, the first encode, the final repair and evaluation)
 cancelled. Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) in ms
-per step with each entry's share, and writes them as JSON next to the traces (``--out``). On a CPU
+per step with each entry's share, then the time per step the device sat idle between its first and
+last kernel, with the largest gaps named by the kernels on either side (where the device waits for
+the host: a branch's predicate, a launch), and writes them as JSON next to the traces (``--out``). On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
 and Python frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import pathlib
@@ -29,6 +32,7 @@ import jax
 from train.llama3 import TrainConfig, train
 
 
+@functools.lru_cache(maxsize=4)  # _sums and _idle read the same (large) trace
 def _events(trace_dir: pathlib.Path) -> tuple[list[dict], dict[int, str]]:
     files = sorted(trace_dir.glob("**/*.trace.json.gz"))
     if not files:
@@ -74,33 +78,69 @@ def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collection
     return ("device" if device else "host"), by_name, by_scope
 
 
+def _idle(trace_dir: pathlib.Path) -> tuple[float, collections.Counter, collections.Counter]:
+    """(µs, µs by gap, gaps by kind) the device timeline spent idle between its first and its last
+    event: per device, the span less the union of its events' intervals (kernels on several streams
+    may overlap); each gap is keyed by (the event that ended last before it, the one after it).
+    Zeros and empty counters without a device timeline."""
+    events, procs = _events(trace_dir)
+    device = {pid for pid, name in procs.items() if "/device:" in name}
+    spans: dict[int, list] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in device:
+            t0 = float(e["ts"])
+            spans[e["pid"]].append((t0, t0 + float(e.get("dur", 0.0)), e["name"]))
+    idle, gaps, count = 0.0, collections.Counter(), collections.Counter()
+    for iv in spans.values():
+        iv.sort()
+        _, end, last = iv[0]
+        for t0, t1, name in iv[1:]:
+            if t0 > end:
+                idle += t0 - end
+                gaps[last, name] += t0 - end
+                count[last, name] += 1
+            if t1 > end:
+                end, last = t1, name
+    return idle, gaps, count
+
+
+def _minus(a: collections.Counter, b: collections.Counter) -> collections.Counter:
+    """a - b for every key of either, zero and negative differences kept (Counter's - drops them)."""
+    return collections.Counter({k: a[k] - b.get(k, 0) for k in a.keys() | b.keys()})
+
+
 def summarize(
     trace_dir: pathlib.Path, top: int = 25, base_dir: pathlib.Path | None = None, steps: int = 1
 ) -> dict:
     """Sum the trace's device kernels (or, with no device timeline, the host's XLA ops), less those
     of ``base_dir`` (a trace of the same run with ``steps`` fewer steps) when given, divided by
     ``steps``: ms per step. A name whose difference is not positive is left out of the tables (its
-    time is the same in both runs, to noise), not out of the total."""
+    time is the same in both runs, to noise), not out of the total. On a device timeline also its idle
+    time (``idle_ms``) and the ``gaps`` that make it, largest first (ms and count per step)."""
     timeline, names, scopes = _sums(trace_dir)
     if base_dir is not None:
         _, names0, scopes0 = _sums(base_dir)
-        names = collections.Counter({k: names[k] - names0.get(k, 0.0) for k in names.keys() | names0.keys()})
-        scopes = collections.Counter(
-            {k: scopes[k] - scopes0.get(k, 0.0) for k in scopes.keys() | scopes0.keys()}
-        )
+        names, scopes = _minus(names, names0), _minus(scopes, scopes0)
     total = sum(names.values()) / steps
 
     def table(c: collections.Counter) -> list[dict]:
         rows = [(k, v / steps) for k, v in c.most_common() if v > 0][:top]
         return [dict(name=k, ms=v / 1e3, share=v / total if total > 0 else 0.0) for k, v in rows]
 
-    return dict(
-        timeline=timeline,
-        steps=steps,
-        total_ms=total / 1e3,
-        kernels=table(names),
-        scopes=table(scopes),
-    )
+    out = dict(timeline=timeline, steps=steps, total_ms=total / 1e3)
+    out.update(kernels=table(names), scopes=table(scopes))
+    if timeline == "device":
+        idle, gaps, count = _idle(trace_dir)
+        if base_dir is not None:
+            idle0, gaps0, count0 = _idle(base_dir)
+            idle, gaps, count = idle - idle0, _minus(gaps, gaps0), _minus(count, count0)
+        out["idle_ms"] = idle / steps / 1e3
+        out["gaps"] = [
+            dict(before=k[0], after=k[1], ms=v / steps / 1e3, count=count[k] / steps)
+            for k, v in gaps.most_common()
+            if v > 0
+        ][:top]
+    return out
 
 
 def main() -> None:
@@ -146,6 +186,10 @@ def main() -> None:
         print(f"\n{title} (ms per step):")
         for r in rows:
             print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}")
+    if "idle_ms" in s:
+        print(f"\ndevice idle between kernels: {s['idle_ms']:.1f} ms per step; largest gaps (ms, count):")
+        for r in s["gaps"]:
+            print(f"  {r['ms']:10.2f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
 
 
 if __name__ == "__main__":

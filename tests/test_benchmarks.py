@@ -107,10 +107,58 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     monkeypatch.setattr(
         profile, "_sums", lambda d: ("device", collections.Counter(us[d]), collections.Counter(us[d]))
     )
+    gap = {  # idle µs by (before, after): "wait" 60 per step, "start" once in either run
+        tmp_path / "long": {("gemm", "check"): 180.0, ("init", "gemm"): 50.0},
+        tmp_path / "short": {("gemm", "check"): 0.0, ("init", "gemm"): 50.0},
+    }
+    monkeypatch.setattr(
+        profile,
+        "_idle",
+        lambda d: (
+            sum(gap[d].values()),
+            collections.Counter(gap[d]),
+            collections.Counter(dict.fromkeys(gap[d], 3)),
+        ),
+    )
     s = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
     assert [(r["name"], round(r["ms"] * 1e3, 9)) for r in s["kernels"]] == [("gemm", 100.0), ("check", 10.0)]
     assert abs(s["kernels"][0]["share"] - 100.0 / ((300 + 30 - 5) / 3)) < 1e-12
+    assert abs(s["idle_ms"] - 60.0 / 1e3) < 1e-12
+    assert [(g["before"], g["after"], round(g["ms"] * 1e3, 9)) for g in s["gaps"]] == [
+        ("gemm", "check", 60.0)
+    ]
+
+
+def test_profile_idle_time_is_the_span_less_the_union_of_the_device_events(tmp_path):
+    import gzip
+    import json
+
+    from benchmarks import profile
+
+    def x(pid, ts, dur, name):
+        return dict(ph="X", pid=pid, tid=1, ts=ts, dur=dur, name=name)
+
+    meta = [
+        dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+        dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+    ]
+    events = [
+        *meta,
+        x(1, 0.0, 10.0, "a"),
+        x(1, 5.0, 20.0, "b"),  # overlaps a (another stream): no gap, b ends the block at 25
+        x(1, 30.0, 5.0, "c"),  # 5 idle after b
+        x(1, 31.0, 2.0, "d"),  # inside c
+        x(1, 45.0, 5.0, "b"),  # 10 idle after c (c ended last)
+        x(1, 53.0, 1.0, "c"),  # 3 idle after b
+        x(2, 100.0, 500.0, "host work"),  # not the device: ignored
+    ]
+    (tmp_path / "t").mkdir()
+    with gzip.open(tmp_path / "t" / "x.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    idle, gaps, count = profile._idle(tmp_path / "t")
+    assert idle == 18.0
+    assert dict(gaps) == {("b", "c"): 8.0, ("c", "b"): 10.0} and dict(count) == {("b", "c"): 2, ("c", "b"): 1}
 
 
 def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
