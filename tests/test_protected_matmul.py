@@ -1,6 +1,7 @@
 """protected_matmul: equal to the plain product, faults detected/corrected/recomputed, never silent."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +238,29 @@ def test_detect_mode_reports_and_does_not_touch():
     d = r.to_dict()
     assert d["gemm_detected"] == 1 and d["gemm_corrected"] == 0 and d["gemm_uncorrectable"] >= 1
     assert not np.allclose(np.asarray(y), np.asarray(_plain(x, w)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_product_reaches_the_in_place_check_without_a_copy(dtype):
+    # A (1, M, N) product reshaped on its way to the in-place abft_finish was copied first by XLA (a
+    # fusion of only a bitcast and a copy: a pass over y); the finish now takes the (M, N) product
+    # itself. Whatever feeds each finish (the step's, the recompute's) must do more than copy y
+    # (bf16 on a CPU: the convert from the GEMM's f32, with the copy fused into it).
+    m, n = 64, 256
+    x, w = jnp.ones((m, 128), dtype), jnp.ones((128, n), dtype)
+    f = jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=FaultPolicy(block_n=128)))
+    hlo = f.lower(x, w).compile().as_text()
+    defs = dict(re.findall(r"^\s*(?:ROOT )?%(\S+) = (.*)$", hlo, re.M))
+    finishes = [v for v in defs.values() if "abft_finish" in v and "custom-call(" in v]
+    assert finishes  # the step's and the recompute's
+    for finish in finishes:
+        src = defs[re.search(r"custom-call\(%([^,)]+)", finish).group(1)]  # what makes its operand y
+        body = re.search(r"calls=%([^,\s]+)", src)
+        ops_in = set()
+        if body:  # a fusion: the opcodes of its computation
+            comp = hlo[hlo.index(f"%{body.group(1)} (") :].split("\n}")[0]
+            ops_in = set(re.findall(r"= \S+ (\w[\w-]*)\(", comp)) - {"parameter"}
+        assert not (src.split("(")[0].endswith(" copy") or (ops_in and ops_in <= {"bitcast", "copy"})), src
 
 
 def test_no_recompile_when_faults_come_and_go():

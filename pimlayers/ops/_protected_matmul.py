@@ -160,7 +160,7 @@ def _checked_gemm(
     )
     c, mag = abft_checks(a, enc, transposed=a_t)
     _margins.record(role, y, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
-    out, flags, counts = abft_finish(y, c, mag, correct=policy.corrects, **kw)
+    out, flags, counts = _finish(y, c, mag, correct=policy.corrects, **kw)
     in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
     pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
     detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
@@ -176,7 +176,7 @@ def _checked_gemm(
             a2, b2 = lax.optimization_barrier((a, b))
             y2 = _dot(a2, b2, precision, a_t, b_t, prod)
             _margins.record("redo", y2, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
-            out2, flags2, counts2 = abft_finish(y2, c, mag, correct=True, **kw)
+            out2, flags2, counts2 = _finish(y2, c, mag, correct=True, **kw)
             still2 = jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32)
             return out2, counts2, still2, jnp.int32(g), jnp.bool_(False)
 
@@ -199,6 +199,15 @@ def _checked_gemm(
         nonfinite_gated=gated + jnp.sum(counts, dtype=jnp.int32),
     )
     return out, report
+
+
+def _finish(y, c, mag, **kw):
+    """abft_finish of (G, R, N) products; for G = 1 on (R, N): the GEMM's output reaches the in-place
+    op directly, where through the (1, R, N) reshape XLA copied it first (a pass over y, 0.1 ms at
+    256 x 1024 f32 on a 2-core CPU)."""
+    if y.shape[0] != 1:
+        return abft_finish(y, c, mag, **kw)
+    return tuple(r[None] for r in abft_finish(y[0], c[0], mag[0], **kw))
 
 
 def _fused_kernel():
