@@ -24,9 +24,9 @@ dk/dv kernel (per key row c, over the group's query heads and query blocks i of 
   row of do, q summed over D), from two small wgmmas into one accumulator (N = 8: the dod tile's
   rows are [hi, lo, ‖do_q‖₁, 0 x 5], the qd tile's [0 x 3, hi, lo, 0 x 3]), whose third column is
   the magnitude Σ p·‖do‖₁ (p >= 0). dk's magnitude Σ |ds|·‖q‖₁ is bounded per query block by
-  Σ |ds| (summed in registers) times the block's largest ‖q‖₁ (1.2 times the per-query sum for
-  Gaussian q): a third wgmma, of |ds| against ‖q‖₁, kept another register operand live, and the
-  backward took 5.13 ms against 4.57 at T = 8192, 32/8 heads (H200).
+  Σ |ds| (summed in registers) times the block's largest ‖q‖₁ (for Gaussian q about 1.2 times the
+  block's mean, so about that much looser): a third wgmma, of |ds| against ‖q‖₁, kept another
+  register operand live, and the backward took 5.13 ms against 4.57 at T = 8192, 32/8 heads (H200).
 
 Bounds (``lam`` as :class:`pimlayers.FaultPolicy`'s; u = 2^-24):
 
