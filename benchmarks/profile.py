@@ -12,7 +12,9 @@ run's one-off work (parameter initialisation, the first encode, the final repair
 cancelled. Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) in ms
 per step with each entry's share, then the time per step the device sat idle between its first and
 last kernel, with the largest gaps named by the kernels on either side (where the device waits for
-the host: a branch's predicate, a launch), and writes them as JSON next to the traces (``--out``). On a CPU
+the host: a branch's predicate, a launch; gaps of 50 ms or more are host phases, apart), then the
+host's events per step (the runtime's spans, the CUDA calls: where the host's time goes when the
+device waits on it), and writes them as JSON next to the traces (``--out``). On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
 and Python frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -26,6 +28,7 @@ import gzip
 import json
 import pathlib
 import tempfile
+import typing
 
 import jax
 
@@ -78,11 +81,39 @@ def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collection
     return ("device" if device else "host"), by_name, by_scope
 
 
-def _idle(trace_dir: pathlib.Path) -> tuple[float, collections.Counter, collections.Counter]:
-    """(µs, µs by gap, gaps by kind) the device timeline spent idle between its first and its last
-    event: per device, the span less the union of its events' intervals (kernels on several streams
-    may overlap); each gap is keyed by (the event that ended last before it, the one after it).
-    Zeros and empty counters without a device timeline."""
+# A device gap this long is a host phase (the profiler starting, an evaluation, the host's own work
+# between steps under the tracer), not the device waiting on a launch or a branch's predicate: those
+# are 0.01-1 ms. Kept apart so a phase that differs between the two traced runs cannot swamp idle_ms.
+PHASE_US = 50_000.0
+
+
+class Idle(typing.NamedTuple):
+    """A device timeline's idle time between its first and last event: gaps shorter than
+    ``PHASE_US`` (µs, µs and count by (event before, event after)) and host phases (the longer ones,
+    the same)."""
+
+    us: float
+    gaps: collections.Counter
+    count: collections.Counter
+    phase_us: float
+    phases: collections.Counter
+    phase_count: collections.Counter
+
+    def __sub__(self, other: Idle) -> Idle:
+        return Idle(
+            self.us - other.us,
+            _minus(self.gaps, other.gaps),
+            _minus(self.count, other.count),
+            self.phase_us - other.phase_us,
+            _minus(self.phases, other.phases),
+            _minus(self.phase_count, other.phase_count),
+        )
+
+
+def _idle(trace_dir: pathlib.Path) -> Idle:
+    """The device timeline's idle time: per device, the span less the union of its events'
+    intervals (kernels on several streams may overlap); each gap is keyed by (the event that ended
+    last before it, the one after it). All zeros without a device timeline."""
     events, procs = _events(trace_dir)
     device = {pid for pid, name in procs.items() if "/device:" in name}
     spans: dict[int, list] = collections.defaultdict(list)
@@ -90,18 +121,35 @@ def _idle(trace_dir: pathlib.Path) -> tuple[float, collections.Counter, collecti
         if e.get("ph") == "X" and e["pid"] in device:
             t0 = float(e["ts"])
             spans[e["pid"]].append((t0, t0 + float(e.get("dur", 0.0)), e["name"]))
-    idle, gaps, count = 0.0, collections.Counter(), collections.Counter()
+    out = [0.0, *(collections.Counter() for _ in range(2)), 0.0, *(collections.Counter() for _ in range(2))]
     for iv in spans.values():
         iv.sort()
         _, end, last = iv[0]
         for t0, t1, name in iv[1:]:
             if t0 > end:
-                idle += t0 - end
-                gaps[last, name] += t0 - end
-                count[last, name] += 1
+                at = 3 if t0 - end >= PHASE_US else 0
+                out[at] += t0 - end
+                out[at + 1][last, name] += t0 - end
+                out[at + 2][last, name] += 1
             if t1 > end:
                 end, last = t1, name
-    return idle, gaps, count
+    return Idle(*out)
+
+
+def _host(trace_dir: pathlib.Path) -> tuple[collections.Counter, collections.Counter]:
+    """(µs, count) by name of the host's events on a trace with a device timeline: the runtime's
+    spans and the CUDA API calls the profiler records (launches, graph launches and updates,
+    copies, synchronisations). Spans nest, so a name's time includes what ran inside it. Empty
+    counters without a device timeline (there the host's events are what ``_sums`` reads)."""
+    events, procs = _events(trace_dir)
+    device = {pid for pid, name in procs.items() if "/device:" in name}
+    us, count = collections.Counter(), collections.Counter()
+    if device:
+        for e in events:
+            if e.get("ph") == "X" and e["pid"] not in device:
+                us[e["name"]] += float(e.get("dur", 0.0))
+                count[e["name"]] += 1
+    return us, count
 
 
 def _minus(a: collections.Counter, b: collections.Counter) -> collections.Counter:
@@ -130,16 +178,24 @@ def summarize(
     out = dict(timeline=timeline, steps=steps, total_ms=total / 1e3)
     out.update(kernels=table(names), scopes=table(scopes))
     if timeline == "device":
-        idle, gaps, count = _idle(trace_dir)
+        idle, (host, calls) = _idle(trace_dir), _host(trace_dir)
         if base_dir is not None:
-            idle0, gaps0, count0 = _idle(base_dir)
-            idle, gaps, count = idle - idle0, _minus(gaps, gaps0), _minus(count, count0)
-        out["idle_ms"] = idle / steps / 1e3
-        out["gaps"] = [
-            dict(before=k[0], after=k[1], ms=v / steps / 1e3, count=count[k] / steps)
-            for k, v in gaps.most_common()
-            if v > 0
-        ][:top]
+            idle = idle - _idle(base_dir)
+            host0, calls0 = _host(base_dir)
+            host, calls = _minus(host, host0), _minus(calls, calls0)
+        out["idle_ms"], out["phase_ms"] = idle.us / steps / 1e3, idle.phase_us / steps / 1e3
+
+        def per_step(us: collections.Counter, count: collections.Counter, **key) -> list[dict]:
+            return [
+                dict(**{k: f(name) for k, f in key.items()}, ms=v / steps / 1e3, count=count[name] / steps)
+                for name, v in us.most_common()
+                if v > 0
+            ][:top]
+
+        gap = dict(before=lambda k: k[0], after=lambda k: k[1])
+        out["gaps"] = per_step(idle.gaps, idle.count, **gap)
+        out["phases"] = per_step(idle.phases, idle.phase_count, **gap)
+        out["host"] = per_step(host, calls, name=lambda k: k)
     return out
 
 
@@ -190,6 +246,13 @@ def main() -> None:
         print(f"\ndevice idle between kernels: {s['idle_ms']:.1f} ms per step; largest gaps (ms, count):")
         for r in s["gaps"]:
             print(f"  {r['ms']:10.2f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
+        phase = f"device gaps of {PHASE_US / 1e3:.0f} ms or more"
+        print(f"\nhost phases ({phase}): {s['phase_ms']:.1f} ms per step")
+        for r in s["phases"][:5]:
+            print(f"  {r['ms']:10.2f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
+        print("\nhost events (ms per step, inclusive of what they enclose; count per step):")
+        for r in s["host"]:
+            print(f"  {r['ms']:10.2f} ms  {r['count']:8.1f}  {r['name'][:100]}")
 
 
 if __name__ == "__main__":

@@ -60,9 +60,14 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     from benchmarks import llama3
 
     with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
-        rows = {(r["protect"], r["attention"]): r for r in llama3.quick(cudnn_peer=True)}
-    on, off = rows[True, "materialised, verified"], rows[False, "materialised"]
-    peer = rows[False, "jax (XLA)"]  # --flash on, unprotected: cuDNN's kernel on a GPU
+        got = llama3.quick(cudnn_peer=True, redo_blocks=4)
+    rows = {(r["protect"], r["attention"], r["recompute"]): r for r in got}
+    on, off = rows[True, "materialised, verified", "whole GEMM"], rows[False, "materialised", None]
+    peer = rows[False, "jax (XLA)", None]  # --flash on, unprotected: cuDNN's kernel on a GPU
+    redo = rows[True, "materialised, verified", "4 blocks"]  # FaultPolicy(recompute_blocks=4)
+    # The same faults (same seeds) corrected in place either way: the recompute never had to run.
+    assert redo["gemm_injected"] == on["gemm_injected"] and redo["gemm_corrected"] == on["gemm_corrected"]
+    assert redo["uncorrectable"] == 0 and abs(redo["final_loss"] - on["final_loss"]) < 1e-6 * on["final_loss"]
     assert off["flips_injected"] == 0 and peer["flips_injected"] == 0 and on["flips_injected"] > 0
     assert on["banks_repaired"] > 0 and on["uncorrectable"] == 0
     assert on["gemm_corrected"] >= on["gemm_injected"]
@@ -111,15 +116,31 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
         tmp_path / "long": {("gemm", "check"): 180.0, ("init", "gemm"): 50.0},
         tmp_path / "short": {("gemm", "check"): 0.0, ("init", "gemm"): 50.0},
     }
+    phase = {  # host phases: one per step between steps, and the profiler's start in either run
+        tmp_path / "long": {("check", "gemm"): 3e5, ("start", "init"): 9e5},
+        tmp_path / "short": {("start", "init"): 9e5},
+    }
+    host = {  # host µs by name: 5 graph launches of 2 µs per step, the program's setup once
+        tmp_path / "long": {"cuGraphLaunch": 40.0, "setup": 700.0},
+        tmp_path / "short": {"cuGraphLaunch": 10.0, "setup": 700.0},
+    }
+
+    def counts(d):
+        return collections.Counter({k: round(v / 2) for k, v in d.items()})
+
     monkeypatch.setattr(
         profile,
         "_idle",
-        lambda d: (
+        lambda d: profile.Idle(
             sum(gap[d].values()),
             collections.Counter(gap[d]),
             collections.Counter(dict.fromkeys(gap[d], 3)),
+            sum(phase[d].values()),
+            collections.Counter(phase[d]),
+            collections.Counter(dict.fromkeys(phase[d], 1)),
         ),
     )
+    monkeypatch.setattr(profile, "_host", lambda d: (collections.Counter(host[d]), counts(host[d])))
     s = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
     assert [(r["name"], round(r["ms"] * 1e3, 9)) for r in s["kernels"]] == [("gemm", 100.0), ("check", 10.0)]
@@ -127,6 +148,11 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     assert abs(s["idle_ms"] - 60.0 / 1e3) < 1e-12
     assert [(g["before"], g["after"], round(g["ms"] * 1e3, 9)) for g in s["gaps"]] == [
         ("gemm", "check", 60.0)
+    ]
+    assert abs(s["phase_ms"] - 100.0) < 1e-9
+    assert [(g["before"], g["after"], g["count"]) for g in s["phases"]] == [("check", "gemm", 1 / 3)]
+    assert [(h["name"], round(h["ms"] * 1e3, 9), h["count"]) for h in s["host"]] == [
+        ("cuGraphLaunch", 10.0, 5.0)
     ]
 
 
@@ -151,14 +177,22 @@ def test_profile_idle_time_is_the_span_less_the_union_of_the_device_events(tmp_p
         x(1, 31.0, 2.0, "d"),  # inside c
         x(1, 45.0, 5.0, "b"),  # 10 idle after c (c ended last)
         x(1, 53.0, 1.0, "c"),  # 3 idle after b
-        x(2, 100.0, 500.0, "host work"),  # not the device: ignored
+        x(1, 54.0 + profile.PHASE_US, 1.0, "a"),  # a host phase after c, not idle time
+        x(2, 100.0, 500.0, "host work"),  # not the device: the host's
+        x(2, 110.0, 20.0, "cuGraphLaunch"),
+        x(2, 700.0, 30.0, "cuGraphLaunch"),
     ]
     (tmp_path / "t").mkdir()
     with gzip.open(tmp_path / "t" / "x.trace.json.gz", "wt") as f:
         json.dump(dict(traceEvents=events), f)
-    idle, gaps, count = profile._idle(tmp_path / "t")
-    assert idle == 18.0
-    assert dict(gaps) == {("b", "c"): 8.0, ("c", "b"): 10.0} and dict(count) == {("b", "c"): 2, ("c", "b"): 1}
+    idle = profile._idle(tmp_path / "t")
+    assert idle.us == 18.0
+    assert dict(idle.gaps) == {("b", "c"): 8.0, ("c", "b"): 10.0}
+    assert dict(idle.count) == {("b", "c"): 2, ("c", "b"): 1}
+    assert idle.phase_us == profile.PHASE_US and dict(idle.phase_count) == {("c", "a"): 1}
+    host, calls = profile._host(tmp_path / "t")
+    assert dict(host) == {"host work": 500.0, "cuGraphLaunch": 50.0}
+    assert dict(calls) == {"host work": 1, "cuGraphLaunch": 2}
 
 
 def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
