@@ -33,20 +33,25 @@ def run(
     flip_every: int = 5,
     fused: bool = False,
     cudnn_peer: bool | None = None,
+    redo_blocks: int = 0,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
     library's own unprotected step keeps XLA's materialised attention. ``on_over_off`` stays
-    against the latter; ``on_over_cudnn`` is against the former."""
+    against the latter; ``on_over_cudnn`` is against the former. ``redo_blocks`` > 0 adds a
+    protected step with ``FaultPolicy(recompute_blocks=redo_blocks)``: each GEMM redoes its flagged
+    column blocks without a branch, where the default's recompute loop has the host read a
+    predicate per GEMM."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
     rows: list[dict] = []
-    # (protect, fused, flash): off; off with cuDNN's attention; on; with ``fused`` also on with the
-    # fused forward GEMM, in the same run.
-    configs = [(False, False, "auto")] + ([(False, False, "on")] if cudnn_peer else [])
-    configs += [(True, False, "auto")] + ([(True, True, "auto")] if fused else [])
-    for protect, fz, flash in configs:
+    # (protect, fused, flash, recompute_blocks): off; off with cuDNN's attention; on; with ``fused``
+    # also on with the fused forward GEMM, with ``redo_blocks`` on with the branch-free recompute.
+    configs = [(False, False, "auto", None)] + ([(False, False, "on", None)] if cudnn_peer else [])
+    configs += [(True, False, "auto", None)] + ([(True, True, "auto", None)] if fused else [])
+    configs += [(True, False, "auto", redo_blocks)] if redo_blocks else []
+    for protect, fz, flash, rb in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = TrainConfig(
                 config=config,
@@ -64,6 +69,7 @@ def run(
                 lr=3e-4,
                 protect=protect,
                 fused=fz,
+                recompute_blocks=rb,
                 flash=flash,
                 flip_every=flip_every if protect else 0,
                 gemm_fault_rate=0.2 if protect else 0.0,
@@ -78,6 +84,7 @@ def run(
                 "config": f"{config} x{s['layers']} layers",
                 "protect": protect,
                 "fused": fz if protect else None,
+                "recompute": ("whole GEMM" if rb is None else f"{rb} blocks") if protect else None,
                 "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -122,7 +129,7 @@ def _attention_label(protect: bool, flash: str) -> str:
     return "materialised"
 
 
-def quick(cudnn_peer: bool | None = None) -> list[dict]:
+def quick(cudnn_peer: bool | None = None, redo_blocks: int = 0) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
         layers=1,
@@ -133,4 +140,5 @@ def quick(cudnn_peer: bool | None = None) -> list[dict]:
         dtype="float32",
         flip_every=1,
         cudnn_peer=cudnn_peer,
+        redo_blocks=redo_blocks,
     )

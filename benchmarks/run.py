@@ -7,6 +7,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --su
 python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
 python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32   # also branch-free recompute
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
@@ -49,6 +50,13 @@ def main() -> None:
     ap.add_argument(
         "--fused", action="store_true", help="llama3: also protected with the fused forward GEMM (Hopper)"
     )
+    ap.add_argument(
+        "--redo-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="llama3: also protected with FaultPolicy(recompute_blocks=N) (branch-free recompute)",
+    )
     ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
     ap.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="matmul: operand dtype"
@@ -83,7 +91,13 @@ def main() -> None:
         ("peers", lambda: peers.run(args.peers)),
         (
             "llama3",
-            lambda: llama3.run(layers=args.layers, steps=args.steps, devices=args.devices, fused=args.fused),
+            lambda: llama3.run(
+                layers=args.layers,
+                steps=args.steps,
+                devices=args.devices,
+                fused=args.fused,
+                redo_blocks=args.redo_blocks,
+            ),
         ),
     ):
         if args.suite in (name, "all"):

@@ -72,6 +72,10 @@ class TrainConfig:
     link_fault_rate: float = 0.0  # needs the model's attention routed over the sequence (not wired yet)
     protect: bool = True  # False: stock arithmetic, no store (the comparison run)
     fused: bool = False  # FaultPolicy.fused: the fused forward GEMM where it runs (Hopper, bf16)
+    # FaultPolicy.recompute_blocks: each GEMM redoes up to N column blocks its check could not
+    # correct, without a branch; None: it recomputes the whole GEMM in a loop of 0 or 1 trips,
+    # whose predicate a GPU reads on the host (once per GEMM, every step).
+    recompute_blocks: int | None = None
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
     flash: str = "auto"
@@ -175,7 +179,11 @@ def train(cfg: TrainConfig) -> dict:
     # Checksums per 128-column block, not per whole row: the detection bound grows with the block's
     # sum of |x| |w|, and at the 8B widths (N = 14336) a whole-row bound is ~67, so an exponent flip
     # that turns a value of 2 into 0 would pass as rounding; per 128 columns it is ~0.2.
-    policy = FaultPolicy(block_n=128, fused=cfg.fused) if cfg.protect else FaultPolicy.off()
+    policy = (
+        FaultPolicy(block_n=128, fused=cfg.fused, recompute_blocks=cfg.recompute_blocks)
+        if cfg.protect
+        else FaultPolicy.off()
+    )
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     if cfg.flash not in _FLASH:
         raise ValueError(f"TrainConfig.flash={cfg.flash!r}; expected one of {sorted(_FLASH)}")
