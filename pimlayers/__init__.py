@@ -12,6 +12,7 @@ Public surface (one place to find every name):
   protect(model, policy)   convert an existing NNX or Equinox model's stock layers to protected ones
 """
 
+from . import _xla_flags
 from . import layers as layers
 from . import memory as memory
 from . import ops as ops
@@ -22,5 +23,7 @@ from ._native import native_info as native_info
 from .faults import FaultPolicy as FaultPolicy
 from .faults import FaultReport as FaultReport
 from .protect import protect as protect
+
+_xla_flags.warn_if_hazardous()
 
 __version__ = "0.1.0"
