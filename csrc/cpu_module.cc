@@ -13,6 +13,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftEncodeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftChecksCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlPimGemvCpu);
 
 namespace {
@@ -36,6 +37,7 @@ PYBIND11_MODULE(_pimlayers_cpu, m) {
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCpu);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCpu);
     d["pimlayers_abft_encode"] = Capsule(PlAbftEncodeCpu);
+    d["pimlayers_abft_checks"] = Capsule(PlAbftChecksCpu);
     d["pimlayers_pim_gemv"] = Capsule(PlPimGemvCpu);
     return d;
   });

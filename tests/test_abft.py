@@ -281,3 +281,67 @@ def test_native_encode_propagates_a_non_finite_weight_and_refuses_bad_input():
         ops.abft_encode(w, 0)
     with pytest.raises(ValueError, match=r"w has shape \(8,\)"):
         ops.abft_encode(jnp.ones((8,)), 4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "lead,k,n,block_n,transposed",
+    [
+        ((37,), 50, 1000, 128, False),  # K not a multiple of 8; nb = 8 (a pass of 4 columns, twice)
+        ((2, 17), 13, 96, 16, False),  # nb = 6: c's 12 columns in passes of 4; x's rows flattened
+        ((1,), 1, 5, None, False),  # one row, K = 1: no full 8-lane step
+        ((4, 9), 64, 40, 8, False),  # a weight per leading index (groups), 9 rows each
+        ((19,), 33, 70, 32, True),  # stored (K, R): the layout impl="native" reads for dw
+        ((3, 16), 24, 24, None, True),  # groups, transposed
+        ((0,), 16, 32, 8, False),  # no rows
+    ],
+)
+def test_native_checks_equal_the_f64_products(dtype, lead, k, n, block_n, transposed):
+    """The native abft_checks (one pass over x for c and mag) against f64 products, for ragged K,
+    any number of column blocks, a batch of weights, x stored transposed and half-precision x."""
+    kx, kw = jax.random.split(jax.random.key(k + n))
+    grouped = len(lead) == 2 and (transposed or lead == (4, 9))
+    w = jax.random.normal(kw, ((lead[0], k, n) if grouped else (k, n)), jnp.float32)
+    enc = ops.abft_encode(w, block_n)
+    shape = (*lead[:-1], k, lead[-1]) if transposed else (*lead, k)
+    x = (jax.random.normal(kx, shape, jnp.float32) * 3).astype(dtype)
+    c, mag = jax.jit(lambda v: ops.abft_checks(v, enc, transposed=transposed, impl="native"))(x)
+    xr = np.asarray(x.astype(jnp.float32), np.float64)
+    xr = np.swapaxes(xr, -1, -2) if transposed else xr
+    nb = enc.abs_sums.shape[-1]
+    sums = np.asarray(enc.sums, np.float64).reshape(*enc.sums.shape[:-3], k, nb * 2)
+    want_c = (xr @ sums).reshape(*xr.shape[:-1], nb, 2)
+    want_mag = np.abs(xr) @ np.asarray(enc.abs_sums, np.float64)
+    assert c.shape == want_c.shape and mag.shape == want_mag.shape and c.dtype == jnp.float32
+    # f32 sums of K terms, rounded once more to f32: within (K + 1)·u of their magnitude, which for
+    # the position-weighted c2 is up to the block's width times mag (the check's bound allows 8·√K·u).
+    width = np.minimum(n if block_n is None else block_n, n - np.arange(nb) * (block_n or n))
+    tol = (k + 1) * 2.0**-24 * np.maximum(want_mag, 1e-30)
+    assert np.all(np.abs(np.asarray(c) - want_c) <= tol[..., None] * np.stack([np.ones(nb), width], -1))
+    assert np.all(np.abs(np.asarray(mag) - want_mag) <= tol)
+    ref = ops.abft_checks(x, enc, transposed=transposed, impl="reference")
+    np.testing.assert_allclose(c, ref[0], rtol=1e-4, atol=1e-5 * (1 + float(np.abs(want_c).max(initial=0))))
+
+
+def test_native_checks_under_vmap_take_a_weight_per_example():
+    """vmap over x and the checksums (a weight per example): the native call runs them as groups."""
+    kx, kw = jax.random.split(jax.random.key(5))
+    w = jax.random.normal(kw, (3, 20, 64), jnp.float32)
+    x = jax.random.normal(kx, (3, 7, 20), jnp.float32)
+    encs = jax.vmap(lambda v: ops.abft_encode(v, 16))(w)
+    got = jax.jit(jax.vmap(lambda v, e: ops.abft_checks(v, e, impl="native")))(x, encs)
+    want = [ops.abft_checks(x[i], ops.abft_encode(w[i], 16), impl="reference") for i in range(3)]
+    for j in range(2):
+        np.testing.assert_allclose(got[j], np.stack([v[j] for v in want]), rtol=1e-5, atol=1e-5)
+    # x batched over one weight: the weight's checksums are broadcast to every example.
+    enc0 = ops.abft_encode(w[0], 16)
+    one = jax.jit(jax.vmap(lambda v: ops.abft_checks(v, enc0, impl="native")))(x)
+    np.testing.assert_allclose(one[1], ops.abft_checks(x, ops.abft_encode(w[0], 16))[1], rtol=1e-5)
+
+
+def test_checks_reject_an_x_that_does_not_contract_with_the_checksums():
+    enc = ops.abft_encode(jnp.ones((12, 32)), 16)
+    with pytest.raises(ValueError, match=r"x has shape \(4, 10\); expected K = 12 on its last axis"):
+        ops.abft_checks(jnp.ones((4, 10)), enc)
+    with pytest.raises(ValueError, match="impl='fast'"):
+        ops.abft_checks(jnp.ones((4, 12)), enc, impl="fast")

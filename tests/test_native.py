@@ -21,6 +21,7 @@ def test_cpu_handlers_loaded_with_every_op():
         "pimlayers_abft_check",
         "pimlayers_abft_finish",
         "pimlayers_abft_encode",
+        "pimlayers_abft_checks",
         "pimlayers_pim_gemv",
     }
     assert "native" in str(info["cpu"])

@@ -31,8 +31,10 @@ def row_parallel(fn: Callable[..., Any], trailing_in: Sequence[int], trailing_ou
     """``fn(*args)`` partitioned over its operands' shared leading axes.
 
     Args:
-      fn: the native call; every operand and result has the same leading axes, and a row's
-        result depends on that row of the operands alone.
+      fn: the native call; every result has the first operand's leading axes, and a row's result
+        depends on that row of the operands alone. Another operand's leading axes are a prefix of
+        the first's (none: an operand every row shares, such as a weight's checksums, whole on
+        every device; some: shared by the rows under those axes, split as they are).
       trailing_in: per operand, how many trailing axes are a row's own (never split).
       trailing_out: the same per result, in the order ``fn`` returns them (a tuple).
     """
@@ -42,7 +44,14 @@ def row_parallel(fn: Callable[..., Any], trailing_in: Sequence[int], trailing_ou
         lead = args[0].ndim - trailing_in[0]
         if lead <= 0:
             return fn(*args)
-        return _partitioned(fn, lead, trailing_in, trailing_out)(*args)
+        leads = tuple(a.ndim - t for a, t in zip(args, trailing_in, strict=True))
+        for a, n in zip(args[1:], leads[1:], strict=True):
+            if not 0 <= n <= lead or tuple(a.shape[:n]) != tuple(args[0].shape[:n]):
+                raise ValueError(
+                    f"pimlayers: an operand of shape {tuple(a.shape)} does not share the leading axes "
+                    f"of the first, {tuple(args[0].shape[:lead])}"
+                )
+        return _partitioned(fn, lead, leads, trailing_in, trailing_out)(*args)
 
     batched = jax.custom_batching.custom_vmap(call)
 
@@ -60,31 +69,37 @@ def row_parallel(fn: Callable[..., Any], trailing_in: Sequence[int], trailing_ou
     return batched
 
 
-def _partitioned(fn, lead: int, trailing_in: tuple[int, ...], trailing_out: tuple[int, ...]):
-    def like_first(mesh, arg_shapes, trailing: tuple[int, ...]):
-        # The first operand's row sharding for every operand/result; their own axes whole.
+def _partitioned(fn, lead: int, leads: tuple[int, ...], trailing_in: tuple[int, ...], trailing_out):
+    def like_first(mesh, arg_shapes, leads_of, trailing: tuple[int, ...]):
+        # The first operand's row sharding, for each operand/result its own leading axes of it;
+        # their own axes whole.
         spec = _lead_spec(arg_shapes[0].sharding, lead)
-        return tuple(NamedSharding(mesh, PartitionSpec(*spec, *(None,) * t)) for t in trailing)
+        return tuple(
+            NamedSharding(mesh, PartitionSpec(*spec[:n], *(None,) * t))
+            for n, t in zip(leads_of, trailing, strict=True)
+        )
+
+    outs_lead = (lead,) * len(trailing_out)
 
     def partition(mesh, arg_shapes, result_shape):
-        results = like_first(mesh, arg_shapes, trailing_out)
-        return mesh, fn, results, like_first(mesh, arg_shapes, trailing_in)
+        results = like_first(mesh, arg_shapes, outs_lead, trailing_out)
+        return mesh, fn, results, like_first(mesh, arg_shapes, leads, trailing_in)
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (Shardy reads the rule below)
-        return like_first(mesh, arg_shapes, trailing_out)
+        return like_first(mesh, arg_shapes, outs_lead, trailing_out)
 
-    # Shardy: the leading axes are shared factors ("..."), every trailing axis its own factor
-    # that must stay whole on each device.
+    # Shardy: the leading axes are factors shared by every operand that has them (l0, l1, ...),
+    # every trailing axis its own factor that must stay whole on each device.
     letters = (f"f{i}" for i in itertools.count())  # as many factor names as the operands need
     own: list[str] = []
 
-    def operand(trailing: int) -> str:
+    def operand(n: int, trailing: int) -> str:
         names = [next(letters) for _ in range(trailing)]
         own.extend(names)
-        return " ".join(["...", *names])
+        return " ".join([*(f"l{i}" for i in range(n)), *names])
 
-    ins = ", ".join(operand(t) for t in trailing_in)
-    outs = ", ".join(operand(t) for t in trailing_out)
+    ins = ", ".join(operand(n, t) for n, t in zip(leads, trailing_in, strict=True))
+    outs = ", ".join(operand(lead, t) for t in trailing_out)
     wrapped = custom_partitioning(fn)
     wrapped.def_partition(
         partition,

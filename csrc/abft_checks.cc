@@ -1,0 +1,273 @@
+// CPU handler of abft_checks: a GEMM's checks c = x @ sums and mag = |x| @ abs_sums (abft.h) in
+// one pass over x. XLA runs them as two GEMMs only 2nb and nb columns wide, with |x| materialised
+// in between: on a 2-core CPU at 256 x 1024 (f32) that took 0.15-0.40 ms next to a 0.65-1.0 ms
+// GEMM, for 2-3% of its flops. Here the 3nb checksum columns are laid out once per call as rows
+// of a panel (3nb, K), and each pair of x's rows is dotted with them eight k at a time: a vector
+// of x is loaded once for up to four columns, |x| is a bit mask on it, and a narrow check
+// (nb = 1: three columns) costs about one pass over x.
+//
+// Sums are f32 in eight lanes, added up at the end, where XLA's f32 dot adds in an order of its
+// own; the bound (abft.h) covers the rounding of either.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "parallel.h"
+
+// One build serves every x86-64 CPU: the kernel is cloned for AVX2 + FMA and the baseline, and
+// the loader picks the clone once (GCC and Clang, glibc's ifunc).
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define PL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PL_CLONES
+#endif
+
+namespace pimlayers {
+namespace {
+
+constexpr int kLanes = 8;
+constexpr int kRows = 2;  // rows of x per dot tile
+constexpr int kCols = 4;  // panel rows (check columns) per pass over them
+constexpr int kTileRows =
+    16;  // rows per unit of work (a bf16 or transposed tile converted at once)
+// Eight lanes, any alignment: loads and stores go through these types, never memcpy (GCC 12 kept
+// an accumulator whose address memcpy took on the stack, reloading and storing it every step).
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t I8 __attribute__((vector_size(32), aligned(4)));
+
+inline V8 Load8(const float* p) { return *reinterpret_cast<const V8*>(p); }
+
+// out[i][c] = sum_k f(x_i[k]) * t[c][k] for R rows and C panel rows, f = |.| when kAbs.
+template <int R, int C, bool kAbs>
+__attribute__((always_inline)) inline void Dots(const float* const* x, int64_t k, const float* t,
+                                                int64_t ldt, float* const* out) {
+  V8 acc[R][C] = {};
+  int64_t kk = 0;
+  for (; kk + kLanes <= k; kk += kLanes) {
+    V8 xv[R];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      xv[i] = Load8(x[i] + kk);
+      if (kAbs) xv[i] = reinterpret_cast<V8>(reinterpret_cast<I8>(xv[i]) & 0x7fffffff);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const V8 p = Load8(t + c * ldt + kk);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc[i][c] += xv[i] * p;
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int c = 0; c < C; ++c) {
+      float s = ((acc[i][c][0] + acc[i][c][1]) + (acc[i][c][2] + acc[i][c][3])) +
+                ((acc[i][c][4] + acc[i][c][5]) + (acc[i][c][6] + acc[i][c][7]));
+      for (int64_t j = kk; j < k; ++j) {
+        s += (kAbs ? std::fabs(x[i][j]) : x[i][j]) * t[c * ldt + j];
+      }
+      out[i][c] = s;
+    }
+  }
+}
+
+// Columns [0, n) of one panel in passes of up to kCols.
+template <int R, bool kAbs>
+__attribute__((always_inline)) inline void Columns(const float* const* x, int64_t k, const float* t,
+                                                   int64_t n, float* const* out) {
+  for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+    const float* tj = t + j0 * k;
+    float* o[R];
+    for (int i = 0; i < R; ++i) o[i] = out[i] + j0;
+    switch (std::min<int64_t>(kCols, n - j0)) {
+      case 4:
+        Dots<R, 4, kAbs>(x, k, tj, k, o);
+        break;
+      case 3:
+        Dots<R, 3, kAbs>(x, k, tj, k, o);
+        break;
+      case 2:
+        Dots<R, 2, kAbs>(x, k, tj, k, o);
+        break;
+      default:
+        Dots<R, 1, kAbs>(x, k, tj, k, o);
+        break;
+    }
+  }
+}
+
+// c and mag of `rows` (1 or 2) f32 rows x[i] (K values each) against the panel t: rows [0, 2nb)
+// are c's columns, [2nb, 3nb) mag's.
+PL_CLONES void DotTile(const float* const* x, int rows, int64_t k, const float* t, int64_t nb,
+                       float* const* c, float* const* mag) {
+  switch (rows) {
+    case 3:
+      Columns<3, false>(x, k, t, 2 * nb, c);
+      return Columns<3, true>(x, k, t + 2 * nb * k, nb, mag);
+    case 2:
+      Columns<2, false>(x, k, t, 2 * nb, c);
+      return Columns<2, true>(x, k, t + 2 * nb * k, nb, mag);
+    default:
+      Columns<1, false>(x, k, t, 2 * nb, c);
+      return Columns<1, true>(x, k, t + 2 * nb * k, nb, mag);
+  }
+}
+
+struct Job {
+  const void* x;
+  FloatKind kind;
+  bool transposed;      // x is (G, K, R) rather than (G, R, K)
+  int64_t rows, k, nb;  // per group
+  const float* panel;   // (G, 3nb, K)
+  float* c;             // (G, R, nb, 2)
+  float* mag;           // (G, R, nb)
+};
+
+// Rows [r0, r0 + rows) of x (one group, from `base`) as f32 rows of xf, `ld` apart. Transposed,
+// each k's values of the tile are one cache line, the next at a stride of R values that the
+// hardware prefetcher did not follow (5x slower at R = 256, K = 1024): it is prefetched by hand.
+template <FloatKind KI>
+void ToRows(const void* x, int64_t base, bool transposed, int64_t r_all, int64_t k, int64_t r0,
+            int64_t rows, float* xf, int64_t ld) {
+  const int64_t bytes = KI == FloatKind::kF32 ? 4 : 2;
+  const char* at = static_cast<const char*>(x) + base * bytes;
+  if (!transposed) {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t kk = 0; kk < k; ++kk) xf[i * ld + kk] = LoadF(x, base + (r0 + i) * k + kk, KI);
+    }
+    return;
+  }
+  constexpr int64_t kAhead = 16;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    if (kk + kAhead < k) __builtin_prefetch(at + ((kk + kAhead) * r_all + r0) * bytes);
+    for (int64_t i = 0; i < rows; ++i) xf[i * ld + kk] = LoadF(x, base + kk * r_all + r0 + i, KI);
+  }
+}
+
+// Tiles [t0, t1) of the flattened (group, tile of kTileRows rows) index. f32 rows are read where
+// they lie; a bf16/f16 or transposed tile is first written out as f32 rows.
+void RunTiles(const Job& j, int64_t t0, int64_t t1) {
+  const int64_t tiles = CeilDiv(j.rows, kTileRows);
+  const bool direct = j.kind == FloatKind::kF32 && !j.transposed;
+  // Rows of the converted tile 64 bytes longer than K: at K = 1024, rows exactly 4 KiB apart fall
+  // in one L1 set, and writing a column of 16 of them per k ran 5x slower.
+  const int64_t ld = j.k + 16;
+  std::vector<float> xf(direct ? 0 : static_cast<size_t>(kTileRows * ld));
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t g = t / tiles, r0 = (t % tiles) * kTileRows;
+    const int64_t rows = std::min<int64_t>(kTileRows, j.rows - r0);
+    const int64_t base = g * j.rows * j.k;  // x's group offset, either layout
+    switch (direct ? -1 : static_cast<int>(j.kind)) {
+      case static_cast<int>(FloatKind::kF32):
+        ToRows<FloatKind::kF32>(j.x, base, j.transposed, j.rows, j.k, r0, rows, xf.data(), ld);
+        break;
+      case static_cast<int>(FloatKind::kBF16):
+        ToRows<FloatKind::kBF16>(j.x, base, j.transposed, j.rows, j.k, r0, rows, xf.data(), ld);
+        break;
+      case static_cast<int>(FloatKind::kF16):
+        ToRows<FloatKind::kF16>(j.x, base, j.transposed, j.rows, j.k, r0, rows, xf.data(), ld);
+        break;
+      default:
+        break;
+    }
+    const float* panel = j.panel + g * 3 * j.nb * j.k;
+    for (int64_t i = 0; i < rows; i += kRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kRows, rows - i));
+      const float* x[kRows];
+      float* c[kRows];
+      float* m[kRows];
+      for (int q = 0; q < n; ++q) {
+        const int64_t r = r0 + i + q;
+        x[q] = direct ? static_cast<const float*>(j.x) + base + r * j.k : &xf[(i + q) * ld];
+        c[q] = j.c + (g * j.rows + r) * 2 * j.nb;
+        m[q] = j.mag + (g * j.rows + r) * j.nb;
+      }
+      DotTile(x, n, j.k, panel, j.nb, c, m);
+    }
+  }
+}
+
+ffi::Error AbftChecksCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer sums,
+                         ffi::AnyBuffer abs_sums, bool transposed, ffi::Result<ffi::AnyBuffer> c,
+                         ffi::Result<ffi::AnyBuffer> mag) {
+  FloatKind kind;
+  if (!ToFloatKind(x.element_type(), &kind)) {
+    return BadArg("abft_checks", std::string("x has dtype ") + DtypeName(x.element_type()) +
+                                     "; expected float32, bfloat16 or float16");
+  }
+  auto xd = x.dimensions(), sd = sums.dimensions(), ad = abs_sums.dimensions();
+  // sums (*g, K, nb, 2), abs_sums (*g, K, nb); x (*g, R, K), or (*g, K, R) transposed.
+  if (sd.size() < 3 || ad.size() != sd.size() - 1 || xd.size() != sd.size() - 1 ||
+      sd[sd.size() - 1] != 2 || sums.element_type() != ffi::DataType::F32 ||
+      abs_sums.element_type() != ffi::DataType::F32) {
+    return BadArg("abft_checks", "x " + ShapeString(xd) + ", sums " + ShapeString(sd) +
+                                     ", abs_sums " + ShapeString(ad) +
+                                     "; expected x (..., R, K), float32 sums (..., K, nb, 2) and "
+                                     "abs_sums (..., K, nb) with the same leading axes");
+  }
+  const size_t lead = sd.size() - 3;
+  int64_t groups = 1;
+  for (size_t i = 0; i < lead; ++i) {
+    if (xd[i] != sd[i] || ad[i] != sd[i]) {
+      return BadArg("abft_checks", "x " + ShapeString(xd) + " and sums " + ShapeString(sd) +
+                                       " differ in their leading axes");
+    }
+    groups *= sd[i];
+  }
+  const int64_t k = sd[lead], nb = sd[lead + 1];
+  const int64_t xk = transposed ? xd[lead] : xd[lead + 1];
+  const int64_t rows = transposed ? xd[lead + 1] : xd[lead];
+  if (xk != k || ad[lead] != k || ad[lead + 1] != nb) {
+    return BadArg("abft_checks", "x " + ShapeString(xd) + (transposed ? " (transposed)" : "") +
+                                     " contracts over " + std::to_string(xk) + "; the checksums " +
+                                     ShapeString(sd) + " / " + ShapeString(ad) +
+                                     " over K = " + std::to_string(k));
+  }
+  if (c->element_type() != ffi::DataType::F32 || mag->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(c->element_count()) != groups * rows * nb * 2 ||
+      static_cast<int64_t>(mag->element_count()) != groups * rows * nb) {
+    return BadArg("abft_checks", "outputs " + ShapeString(c->dimensions()) + " / " +
+                                     ShapeString(mag->dimensions()) +
+                                     "; expected float32 (..., R, nb, 2) and (..., R, nb)");
+  }
+  if (groups * rows * nb == 0) return ffi::Error::Success();
+  float* c_out = static_cast<float*>(c->untyped_data());
+  float* m_out = static_cast<float*>(mag->untyped_data());
+  if (k == 0) {
+    std::memset(c_out, 0, c->size_bytes());
+    std::memset(m_out, 0, mag->size_bytes());
+    return ffi::Error::Success();
+  }
+  // The panel: per group, c's 2nb columns then mag's nb, each as a row of K values.
+  std::vector<float> panel(static_cast<size_t>(groups * 3 * nb * k));
+  const float* s = static_cast<const float*>(sums.untyped_data());
+  const float* a = static_cast<const float*>(abs_sums.untyped_data());
+  for (int64_t g = 0; g < groups; ++g) {
+    float* t = &panel[g * 3 * nb * k];
+    for (int64_t kk = 0; kk < k; ++kk) {
+      for (int64_t j = 0; j < 2 * nb; ++j) t[j * k + kk] = s[(g * k + kk) * 2 * nb + j];
+      for (int64_t b = 0; b < nb; ++b) t[(2 * nb + b) * k + kk] = a[(g * k + kk) * nb + b];
+    }
+  }
+  Job job{x.untyped_data(), kind, transposed, rows, k, nb, panel.data(), c_out, m_out};
+  // The GEMM these checks belong to does not depend on them, so XLA runs both at once on the same
+  // pool: on a 2-core CPU the checks taking the pool's threads made the protected GEMM slower than
+  // this thread alone (docs/benchmarks.md). A quarter of the pool, so a many-core CPU still
+  // splits a large check.
+  ParallelUnits(
+      &pool, groups * CeilDiv(rows, kTileRows), groups * rows * k * 3 * nb / kCols,
+      [job](int64_t t0, int64_t t1) { RunTiles(job, t0, t1); }, 0.25);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pimlayers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftChecksCpu, pimlayers::AbftChecksCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()   // XLA's intra-op threads
+                                  .Arg<xla::ffi::AnyBuffer>()    // x: (..., R, K) f32|bf16|f16
+                                  .Arg<xla::ffi::AnyBuffer>()    // sums: (..., K, nb, 2) f32
+                                  .Arg<xla::ffi::AnyBuffer>()    // abs_sums: (..., K, nb) f32
+                                  .Attr<bool>("transposed")      // x stored as (..., K, R)
+                                  .Ret<xla::ffi::AnyBuffer>()    // c: (..., R, nb, 2) f32
+                                  .Ret<xla::ffi::AnyBuffer>());  // mag: (..., R, nb) f32
