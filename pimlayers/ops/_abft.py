@@ -175,7 +175,7 @@ def abft_checks(
         # xᵀ @ s contracts over x's leading axis, the one a data-parallel x is split over: XLA
         # sums the devices' partial dots, where this custom call would have x gathered to each
         # device (no partitioning rule for it yet). So "auto" keeps XLA's dots here; the kernel
-        # (2-5x faster than XLA on one CPU) runs with impl="native".
+        # (3-5x faster than XLA on one CPU) runs with impl="native".
         native = lambda v, s, a: _checks_native(v, s, a, True)
         impl = "reference" if impl == "auto" else impl
     elif not g:  # one weight: x's rows, flattened, split over devices as they come
