@@ -1,6 +1,6 @@
 // CPU handler of abft_checks: a GEMM's checks c = x @ sums and mag = |x| @ abs_sums (abft.h) in
 // one pass over x. XLA runs them as two GEMMs only 2nb and nb columns wide, with |x| materialised
-// in between: on a 2-core CPU at 256 x 1024 (f32) that took 0.15-0.40 ms next to a 0.65-1.0 ms
+// in between: on a 2-core CPU at 256 x 256-1024 (f32) that took 0.14-0.63 ms next to a 0.65-1.0 ms
 // GEMM, for 2-3% of its flops. Here the 3nb checksum columns are laid out once per call as rows
 // of a panel (3nb, K), and each pair of x's rows is dotted with them eight k at a time: a vector
 // of x is loaded once for up to four columns, |x| is a bit mask on it, and a narrow check
@@ -29,8 +29,8 @@ namespace {
 constexpr int kLanes = 8;
 constexpr int kRows = 2;  // rows of x per dot tile
 constexpr int kCols = 4;  // panel rows (check columns) per pass over them
-constexpr int kTileRows =
-    16;  // rows per unit of work (a bf16 or transposed tile converted at once)
+// Rows per unit of work (a bf16/f16 or transposed tile is converted to f32 rows at once).
+constexpr int kTileRows = 16;
 // Eight lanes, any alignment: loads and stores go through these types, never memcpy (GCC 12 kept
 // an accumulator whose address memcpy took on the stack, reloading and storing it every step).
 typedef float V8 __attribute__((vector_size(32), aligned(4)));
@@ -99,16 +99,12 @@ __attribute__((always_inline)) inline void Columns(const float* const* x, int64_
 // are c's columns, [2nb, 3nb) mag's.
 PL_CLONES void DotTile(const float* const* x, int rows, int64_t k, const float* t, int64_t nb,
                        float* const* c, float* const* mag) {
-  switch (rows) {
-    case 3:
-      Columns<3, false>(x, k, t, 2 * nb, c);
-      return Columns<3, true>(x, k, t + 2 * nb * k, nb, mag);
-    case 2:
-      Columns<2, false>(x, k, t, 2 * nb, c);
-      return Columns<2, true>(x, k, t + 2 * nb * k, nb, mag);
-    default:
-      Columns<1, false>(x, k, t, 2 * nb, c);
-      return Columns<1, true>(x, k, t + 2 * nb * k, nb, mag);
+  if (rows == 2) {
+    Columns<2, false>(x, k, t, 2 * nb, c);
+    Columns<2, true>(x, k, t + 2 * nb * k, nb, mag);
+  } else {
+    Columns<1, false>(x, k, t, 2 * nb, c);
+    Columns<1, true>(x, k, t + 2 * nb * k, nb, mag);
   }
 }
 
@@ -122,24 +118,15 @@ struct Job {
   float* mag;           // (G, R, nb)
 };
 
-// Rows [r0, r0 + rows) of x (one group, from `base`) as f32 rows of xf, `ld` apart. Transposed,
-// each k's values of the tile are one cache line, the next at a stride of R values that the
-// hardware prefetcher did not follow (5x slower at R = 256, K = 1024): it is prefetched by hand.
+// Rows [r0, r0 + rows) of x (one group, from `base`) as f32 rows of xf, `ld` apart.
 template <FloatKind KI>
 void ToRows(const void* x, int64_t base, bool transposed, int64_t r_all, int64_t k, int64_t r0,
             int64_t rows, float* xf, int64_t ld) {
-  const int64_t bytes = KI == FloatKind::kF32 ? 4 : 2;
-  const char* at = static_cast<const char*>(x) + base * bytes;
-  if (!transposed) {
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t kk = 0; kk < k; ++kk) xf[i * ld + kk] = LoadF(x, base + (r0 + i) * k + kk, KI);
-    }
-    return;
-  }
-  constexpr int64_t kAhead = 16;
   for (int64_t kk = 0; kk < k; ++kk) {
-    if (kk + kAhead < k) __builtin_prefetch(at + ((kk + kAhead) * r_all + r0) * bytes);
-    for (int64_t i = 0; i < rows; ++i) xf[i * ld + kk] = LoadF(x, base + kk * r_all + r0 + i, KI);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t at = transposed ? kk * r_all + r0 + i : (r0 + i) * k + kk;
+      xf[i * ld + kk] = LoadF(x, base + at, KI);
+    }
   }
 }
 

@@ -155,8 +155,8 @@ def abft_checks(
     axes as the sums (the backward's xᵀ is the forward's x): contracted over its K axis in place.
 
     Native on the CPU for x's rows (one pass over x for both, f32 sums; XLA's two narrow GEMMs and
-    the |x| between them took 0.14-0.34 ms at 256 x 256-1024 on a 2-core CPU, the native op
-    0.03-0.18); ``transposed`` and the GPU keep XLA's dots.
+    the |x| between them took 0.14-0.63 ms at 256 x 256-1024 on a 2-core CPU, the native op
+    0.04-0.14 on one thread); ``transposed`` and the GPU keep XLA's dots.
     """
     *g, k, nb = enc.abs_sums.shape
     if transposed and (x.ndim != len(g) + 2 or tuple(x.shape[:-2]) != tuple(g) or x.shape[-2] != k):
@@ -175,7 +175,7 @@ def abft_checks(
         # xᵀ @ s contracts over x's leading axis, the one a data-parallel x is split over: XLA
         # sums the devices' partial dots, where this custom call would have x gathered to each
         # device (no partitioning rule for it yet). So "auto" keeps XLA's dots here; the kernel
-        # (3-5x faster than XLA on one CPU) runs with impl="native".
+        # (3-6x faster than XLA's on a 2-core CPU) runs with impl="native".
         native = lambda v, s, a: _checks_native(v, s, a, True)
         impl = "reference" if impl == "auto" else impl
     elif not g:  # one weight: x's rows, flattened, split over devices as they come
