@@ -49,6 +49,11 @@ def _events(trace_dir: pathlib.Path) -> tuple[list[dict], dict[int, str]]:
     return events, procs
 
 
+def _device_pids(procs: dict[int, str]) -> set[int]:
+    """The trace's device timelines (process names like "/device:GPU:0"); empty on a CPU trace."""
+    return {pid for pid, name in procs.items() if "/device:" in name}
+
+
 def _scope(e: dict) -> str:
     """The JAX scope of a kernel event: the named scopes of its HLO op's metadata, where recorded."""
     args = e.get("args", {})
@@ -67,7 +72,7 @@ def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collection
     """(timeline, µs by kernel name, µs by scope) of the trace's device kernels, or with no device
     timeline, of the host's XLA ops."""
     events, procs = _events(trace_dir)
-    device = {pid for pid, name in procs.items() if "/device:" in name}
+    device = _device_pids(procs)
     by_name: collections.Counter = collections.Counter()
     by_scope: collections.Counter = collections.Counter()
     for e in events:
@@ -115,25 +120,26 @@ def _idle(trace_dir: pathlib.Path) -> Idle:
     intervals (kernels on several streams may overlap); each gap is keyed by (the event that ended
     last before it, the one after it). All zeros without a device timeline."""
     events, procs = _events(trace_dir)
-    device = {pid for pid, name in procs.items() if "/device:" in name}
+    device = _device_pids(procs)
     spans: dict[int, list] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e["pid"] in device:
             t0 = float(e["ts"])
             spans[e["pid"]].append((t0, t0 + float(e.get("dur", 0.0)), e["name"]))
-    out = [0.0, *(collections.Counter() for _ in range(2)), 0.0, *(collections.Counter() for _ in range(2))]
+    waits = [0.0, collections.Counter(), collections.Counter()]  # µs, µs by gap, count by gap
+    phases = [0.0, collections.Counter(), collections.Counter()]
     for iv in spans.values():
         iv.sort()
         _, end, last = iv[0]
         for t0, t1, name in iv[1:]:
             if t0 > end:
-                at = 3 if t0 - end >= PHASE_US else 0
-                out[at] += t0 - end
-                out[at + 1][last, name] += t0 - end
-                out[at + 2][last, name] += 1
+                acc = phases if t0 - end >= PHASE_US else waits
+                acc[0] += t0 - end
+                acc[1][last, name] += t0 - end
+                acc[2][last, name] += 1
             if t1 > end:
                 end, last = t1, name
-    return Idle(*out)
+    return Idle(*waits, *phases)
 
 
 def _host(trace_dir: pathlib.Path) -> tuple[collections.Counter, collections.Counter]:
@@ -142,7 +148,7 @@ def _host(trace_dir: pathlib.Path) -> tuple[collections.Counter, collections.Cou
     copies, synchronisations). Spans nest, so a name's time includes what ran inside it. Empty
     counters without a device timeline (there the host's events are what ``_sums`` reads)."""
     events, procs = _events(trace_dir)
-    device = {pid for pid, name in procs.items() if "/device:" in name}
+    device = _device_pids(procs)
     us, count = collections.Counter(), collections.Counter()
     if device:
         for e in events:

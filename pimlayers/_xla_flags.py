@@ -15,7 +15,7 @@ import os
 import re
 import warnings
 
-__all__ = ["command_buffer_hazards"]
+__all__ = ["command_buffer_hazards", "warn_if_hazardous"]
 
 _HAZARDS = ("WHILE", "CONDITIONAL")
 _FLAG = re.compile(r"--xla_gpu_enable_command_buffer=(\S*)")
@@ -32,8 +32,8 @@ def command_buffer_hazards(xla_flags: str) -> tuple[str, ...]:
     enabled: set[str] = set()
     for value in _FLAG.findall(xla_flags):
         items = [i for i in value.split(",") if i]
-        if not all(i.startswith(("+", "-")) for i in items):
-            enabled = set()  # a plain list replaces the set
+        if not items or not all(i.startswith(("+", "-")) for i in items):
+            enabled = set()  # a plain list replaces the set (an empty one: no command buffers)
         for item in items:
             name = item.lstrip("+-").upper()
             if item.startswith("-"):
@@ -51,7 +51,7 @@ def warn_if_hazardous(xla_flags: str | None = None) -> None:
     if found:
         warnings.warn(
             f"pimlayers: XLA_FLAGS enables command buffers for {', '.join(found)} "
-            f"(--xla_gpu_enable_command_buffer). Under +WHILE,+CONDITIONAL protected GEMMs on an H200 "
+            "(--xla_gpu_enable_command_buffer). Under +WHILE,+CONDITIONAL protected GEMMs on an H200 "
             "reported false detections and changed training (pimlayers/_xla_flags.py); protected runs "
             "should leave these command types at XLA's defaults until the cause is found.",
             RuntimeWarning,

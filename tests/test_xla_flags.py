@@ -23,6 +23,7 @@ CB = "--xla_gpu_enable_command_buffer="
         # Settings apply in order: a plain list replaces what came before, +/- change it.
         (f"{CB}+CONDITIONAL --xla_dump_to=/x {CB}FUSION", ()),
         (f"{CB}+WHILE {CB}+CONDITIONAL", ("WHILE", "CONDITIONAL")),
+        (f"{CB}+WHILE {CB}", ()),  # an empty list turns command buffers off
         (
             "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_enable_command_buffer=+conditional",
             ("CONDITIONAL",),
