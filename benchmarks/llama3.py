@@ -19,6 +19,7 @@ from __future__ import annotations
 import tempfile
 
 import jax
+import numpy as np
 
 from train.llama3 import TrainConfig, train
 
@@ -34,6 +35,7 @@ def run(
     fused: bool = False,
     cudnn_peer: bool | None = None,
     redo_blocks: int = 0,
+    no_recompute: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -41,17 +43,21 @@ def run(
     against the latter; ``on_over_cudnn`` is against the former. ``redo_blocks`` > 0 adds a
     protected step with ``FaultPolicy(recompute_blocks=redo_blocks)``: each GEMM redoes its flagged
     column blocks without a branch, where the default's recompute loop has the host read a
-    predicate per GEMM."""
+    predicate per GEMM. ``no_recompute`` adds a protected step with ``FaultPolicy(recompute=False)``:
+    what a check cannot locate skips the step instead of being recomputed, so no loop at all."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
     rows: list[dict] = []
-    # (protect, fused, flash, recompute_blocks): off; off with cuDNN's attention; on; with ``fused``
-    # also on with the fused forward GEMM, with ``redo_blocks`` on with the branch-free recompute.
-    configs = [(False, False, "auto", None)] + ([(False, False, "on", None)] if cudnn_peer else [])
-    configs += [(True, False, "auto", None)] + ([(True, True, "auto", None)] if fused else [])
-    configs += [(True, False, "auto", redo_blocks)] if redo_blocks else []
-    for protect, fz, flash, rb in configs:
+    # (protect, fused, flash, recompute_blocks, recompute): off; off with cuDNN's attention; on; with
+    # ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with the branch-free
+    # recompute, with ``no_recompute`` on without recompute.
+    configs = [(False, False, "auto", None, True)]
+    configs += [(False, False, "on", None, True)] if cudnn_peer else []
+    configs += [(True, False, "auto", None, True)] + ([(True, True, "auto", None, True)] if fused else [])
+    configs += [(True, False, "auto", redo_blocks, True)] if redo_blocks else []
+    configs += [(True, False, "auto", None, False)] if no_recompute else []
+    for protect, fz, flash, rb, redo in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = TrainConfig(
                 config=config,
@@ -70,6 +76,7 @@ def run(
                 protect=protect,
                 fused=fz,
                 recompute_blocks=rb,
+                recompute=redo,
                 flash=flash,
                 flip_every=flip_every if protect else 0,
                 gemm_fault_rate=0.2 if protect else 0.0,
@@ -84,7 +91,7 @@ def run(
                 "config": f"{config} x{s['layers']} layers",
                 "protect": protect,
                 "fused": fz if protect else None,
-                "recompute": ("whole GEMM" if rb is None else f"{rb} blocks") if protect else None,
+                "recompute": _recompute_label(rb, redo) if protect else None,
                 "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -92,6 +99,9 @@ def run(
                 "params": s["params"],
                 "steps": steps,
                 "step_ms": 1e3 * cfg.batch * seq / s["tokens_per_s_median"],
+                # The host's time in the step's call (median): near step_ms, the host waited on
+                # the device inside the step (loops, branches) and could not queue ahead.
+                "call_ms": 1e3 * float(np.median(s["call_seconds"])) if s["call_seconds"] else None,
                 "tokens_per_s": s["tokens_per_s_median"],
                 "tokens_per_s_per_device": s["tokens_per_s_median"] / s["devices"],
                 "mfu": s["mfu_median"],
@@ -118,6 +128,12 @@ def run(
     return rows
 
 
+def _recompute_label(blocks: int | None, recompute: bool) -> str:
+    if not recompute:
+        return "none (skip)"
+    return "whole GEMM" if blocks is None else f"{blocks} blocks"
+
+
 def _attention_label(protect: bool, flash: str) -> str:
     """What the step's attention ran (layers.attention_core's choice for this machine)."""
     from pimlayers.ops._fused_gemm import hopper
@@ -129,7 +145,7 @@ def _attention_label(protect: bool, flash: str) -> str:
     return "materialised"
 
 
-def quick(cudnn_peer: bool | None = None, redo_blocks: int = 0) -> list[dict]:
+def quick(cudnn_peer: bool | None = None, redo_blocks: int = 0, no_recompute: bool = False) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
         layers=1,
@@ -141,4 +157,5 @@ def quick(cudnn_peer: bool | None = None, redo_blocks: int = 0) -> list[dict]:
         flip_every=1,
         cudnn_peer=cudnn_peer,
         redo_blocks=redo_blocks,
+        no_recompute=no_recompute,
     )

@@ -75,19 +75,23 @@ the jit cache), then measured times beside the simulator as in `routing-sim`. Th
 that losing a device's whole shard leaves every other device's bytes untouched, destroys the lost
 one's, and that the rebuild is bit-exact (`bit_exact`), over `losses` losses with `compiles` programs.
 
-Reading the llama3 tables: the training script itself (`train.llama3.train`) at Llama-3-8B
-dimensions with `--layers` decoder layers, T = 8192, one sequence per device, bf16 compute, f32
-parameters and AdamW moments, every block rematerialised, byte tokenizer. `protect=True` is the full
-protected step (PimStore verify-and-repair before every step, ABFT-checked GEMMs, the fault-aware
-optimizer, encode on write) with faults injected: parameter bit flips every 5 steps
-(`flips_injected` / `banks_repaired`) and a GEMM output fault with probability 0.2 per step
-(`gemm_injected` / `gemm_corrected`). `step_ms` is the median step (the compiling first step left
-out); MFU = step FLOPs (6 per weight per token plus causal attention) / (devices x 989 TFLOP/s);
-`on_over_off` = protected / unprotected tokens/s; `peak_gb` is device 0's peak allocation. The model's
-attention is `layers.attention_core`: unprotected, XLA's materialised attention (not cuDNN); protected on
-a Hopper GPU (since 2026-12-01, the `4layers-flash` files), the verified flash kernel's forward. Newer
-runs name it in an `attention` column and, on a GPU, add an unprotected step with cuDNN's flash
-attention (`--flash on`), the plain-JAX peer of the performance goal: `on_over_cudnn` is against it.
+Reading the llama3 tables: the training script itself (`train.llama3.train`) at Llama-3-8B dimensions
+with `--layers` decoder layers, T = 8192, one sequence per device, bf16 compute, f32 parameters and
+AdamW moments, every block rematerialised, byte tokenizer. `protect=True` is the full protected step
+(PimStore verify-and-repair before every step, ABFT-checked GEMMs, the fault-aware optimizer, encode on
+write) with faults injected: parameter bit flips every 5 steps (`flips_injected` / `banks_repaired`) and
+a GEMM output fault with probability 0.2 per step (`gemm_injected` / `gemm_corrected`). `step_ms` is the
+median step (the compiling first step left out; since 2026-12-02 the interval between reads of
+consecutive steps' counters, each read once the next step is queued, and the scrub and repair inside the
+step's program); `call_ms` (newer runs) is the host's time in the step's call, near `step_ms` where the
+host waits on loop and branch predicates inside the step; `recompute` names the GEMMs' policy ("none
+(skip)": `FaultPolicy(recompute=False)`); MFU = step FLOPs (6 per weight per token plus causal
+attention) / (devices x 989 TFLOP/s); `on_over_off` = protected / unprotected tokens/s; `peak_gb` is
+device 0's peak allocation. The model's attention is `layers.attention_core`: unprotected, XLA's
+materialised attention (not cuDNN); protected on a Hopper GPU (since 2026-12-01, the `4layers-flash`
+files), the verified flash kernel's forward. Newer runs name it in an `attention` column and, on a GPU,
+add an unprotected step with cuDNN's flash attention (`--flash on`), the plain-JAX peer of the
+performance goal: `on_over_cudnn` is against it.
 
 Reading the peers table (Hopper only): the kernels a protected kernel with its checks fused in would
 be built on, against what the library already calls, side by side in one run. GEMM rows: XLA

@@ -7,7 +7,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --su
 python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
 python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
-python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32   # also branch-free recompute
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --no-recompute
+                                                     # also branch-free recompute, and none
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
@@ -57,6 +58,11 @@ def main() -> None:
         metavar="N",
         help="llama3: also protected with FaultPolicy(recompute_blocks=N) (branch-free recompute)",
     )
+    ap.add_argument(
+        "--no-recompute",
+        action="store_true",
+        help="llama3: also protected with FaultPolicy(recompute=False) (skip what a check cannot locate)",
+    )
     ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
     ap.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="matmul: operand dtype"
@@ -97,6 +103,7 @@ def main() -> None:
                 devices=args.devices,
                 fused=args.fused,
                 redo_blocks=args.redo_blocks,
+                no_recompute=args.no_recompute,
             ),
         ),
     ):

@@ -9,7 +9,6 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from pimlayers.faults import FaultPolicy, FaultReport
 
@@ -73,7 +72,7 @@ def fault_aware(
 
     Modelled on `optax.apply_if_finite`. On a skipped step the returned updates are zeros and the inner
     state is passed through untouched (bit-identical); otherwise the inner transformation runs exactly as
-    it would unwrapped. The decision is data (`lax.cond` on a traced flag), so flipping it never
+    it would unwrapped. The decision is data (a select on a traced flag), so flipping it never
     recompiles. Unlike `apply_if_finite`, the wrapper never gives up and applies bad updates: after more
     than `max_consecutive_skips` consecutive skips it sets the sticky `gave_up` flag instead.
 
@@ -136,19 +135,15 @@ def fault_aware(
             jnp.where(finite, jnp.int32(SKIP_NONE), jnp.int32(SKIP_NONFINITE)),
         )
 
-        def apply(_: None) -> tuple[optax.Updates, optax.OptState]:
-            return inner.update(updates, state.inner_state, params, **extra)
-
-        # Zeros shaped like what `inner.update` returns (its dtypes may differ from the gradients').
-        out_updates = jax.eval_shape(apply, None)[0]
-
-        def reject(_: None) -> tuple[optax.Updates, optax.OptState]:
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_updates)
-            return zeros, state.inner_state
-
-        # `lax.cond`, as in `apply_if_finite`: the inner update runs only on applied steps, and the
-        # untouched inner state comes out bit-identical on skipped ones. Under `vmap` it lowers to selects.
-        new_updates, new_inner_state = lax.cond(skip, reject, apply, None)
+        # Both outcomes computed, one selected (not `lax.cond`): on a GPU the runtime reads a cond's
+        # predicate on the host, and this one depends on the whole backward pass, so the host would
+        # wait for it inside every step and could not queue the next step meanwhile. The select is
+        # fused into the inner update's elementwise pass (it reads the old state anyway); a skipped
+        # step, rare, pays for an update it throws away. Skipped: zero updates, the inner state
+        # passed through bit-identical (a select returns the old value's bits, NaN or not).
+        new_updates, new_inner_state = inner.update(updates, state.inner_state, params, **extra)
+        new_updates = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+        new_inner_state = jax.tree.map(lambda n, o: jnp.where(skip, o, n), new_inner_state, state.inner_state)
 
         notfinite_count = jnp.where(skip, _safe_increment(state.notfinite_count), jnp.zeros([], jnp.int32))
         if max_consecutive_skips is None:

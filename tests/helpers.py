@@ -42,3 +42,24 @@ SMALL_GEOMETRY = BankGeometry(
     group=4,
     bank_bytes=1 << 20,
 )
+
+
+def host_control_flow(closed_jaxpr) -> dict[str, int]:
+    """``cond`` and ``while`` equations anywhere in a jaxpr, nested ones included: on a GPU the
+    runtime reads each one's predicate on the host (XLA's default command buffers leave them out),
+    so the host waits there and cannot queue further work meanwhile. ``lax.platform_dependent``'s
+    conds (``branches_platforms`` set) are left out: lowering picks one branch, none runs as a cond."""
+    counts = {"cond": 0, "while": 0}
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in counts and not eqn.params.get("branches_platforms"):
+                counts[eqn.primitive.name] += 1
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr itself
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return counts

@@ -60,7 +60,7 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     from benchmarks import llama3
 
     with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
-        got = llama3.quick(cudnn_peer=True, redo_blocks=4)
+        got = llama3.quick(cudnn_peer=True, redo_blocks=4, no_recompute=True)
     rows = {(r["protect"], r["attention"], r["recompute"]): r for r in got}
     on, off = rows[True, "materialised, verified", "whole GEMM"], rows[False, "materialised", None]
     peer = rows[False, "jax (XLA)", None]  # --flash on, unprotected: cuDNN's kernel on a GPU
@@ -68,6 +68,10 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     # The same faults (same seeds) corrected in place either way: the recompute never had to run.
     assert redo["gemm_injected"] == on["gemm_injected"] and redo["gemm_corrected"] == on["gemm_corrected"]
     assert redo["uncorrectable"] == 0 and abs(redo["final_loss"] - on["final_loss"]) < 1e-6 * on["final_loss"]
+    # FaultPolicy(recompute=False): each injected fault is one value, located and corrected in place.
+    bare = rows[True, "materialised, verified", "none (skip)"]
+    assert bare["gemm_corrected"] == on["gemm_corrected"] and bare["uncorrectable"] == 0
+    assert bare["steps_skipped"] == 0 and abs(bare["final_loss"] - on["final_loss"]) < 1e-6 * on["final_loss"]
     assert off["flips_injected"] == 0 and peer["flips_injected"] == 0 and on["flips_injected"] > 0
     assert on["banks_repaired"] > 0 and on["uncorrectable"] == 0
     assert on["gemm_corrected"] >= on["gemm_injected"]

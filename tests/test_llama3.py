@@ -194,3 +194,31 @@ def test_remat_and_bf16_train_step():
     half = Llama3(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     lb = nnx.jit(loss_of)(half)
     assert lb.dtype == jnp.float32 and abs(float(lb) - float(l1)) < 0.1
+
+
+def test_without_recompute_the_training_gradient_has_no_loop_or_branch():
+    # FaultPolicy(recompute=False) corrects what the checks locate and leaves the rest to the
+    # optimizer's skip: no GEMM or attention call keeps a loop whose predicate a GPU's host must read.
+    from helpers import host_control_flow
+
+    from pimlayers.faults import FaultPolicy
+
+    cfg = get_config("llama3_tiny", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+
+    def flow(policy):
+        graphdef, params, rest = nnx.split(
+            Llama3(cfg, policy=policy, remat=True, rngs=nnx.Rngs(0)), nnx.Param, ...
+        )
+
+        def loss(m):
+            logits = m(toks[:, :-1])
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+        def step(p, r):  # as the training step does: merged inside the trace, nnx's own grad
+            return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
+
+        return host_control_flow(jax.make_jaxpr(step)(params, rest))
+
+    assert flow(FaultPolicy())["while"] > 0  # the default recomputes in loops of 0 or 1 trips
+    assert flow(FaultPolicy(recompute=False)) == {"cond": 0, "while": 0}

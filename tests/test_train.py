@@ -49,6 +49,9 @@ def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
     assert "silent" in table and all(line.split()[-1] == "0" for line in table.splitlines()[1:4])
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert len(log) == 12 and "eval_loss" in log[4] and log[-1]["flips"] == 9
+    # Timed steps (each read once the next is queued): not step 0 (compiles), nor one read right
+    # after another in its own iteration (4 and 9 evaluate, 11 ends the run).
+    assert len(s["step_seconds"]) == len([1, 2, 3, 5, 6, 7, 8, 10])
     T.plot([s], tmp_path / "loss.png")
     assert (tmp_path / "loss.png").stat().st_size > 1000
 

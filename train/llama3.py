@@ -76,6 +76,10 @@ class TrainConfig:
     # correct, without a branch; None: it recomputes the whole GEMM in a loop of 0 or 1 trips,
     # whose predicate a GPU reads on the host (once per GEMM, every step).
     recompute_blocks: int | None = None
+    # FaultPolicy.recompute: False corrects what a check locates and skips the step (fault_aware)
+    # where it cannot, recomputing nothing: no loop in any GEMM or attention call, so nothing in the
+    # step makes a GPU's host wait (on an H200, 4 layers: 156 ms against 195 ms with the loops).
+    recompute: bool = True
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
     flash: str = "auto"
@@ -179,8 +183,15 @@ def train(cfg: TrainConfig) -> dict:
     # Checksums per 128-column block, not per whole row: the detection bound grows with the block's
     # sum of |x| |w|, and at the 8B widths (N = 14336) a whole-row bound is ~67, so an exponent flip
     # that turns a value of 2 into 0 would pass as rounding; per 128 columns it is ~0.2.
+    if not cfg.recompute and cfg.recompute_blocks is not None:
+        raise ValueError(
+            f"TrainConfig.recompute=False recomputes nothing; recompute_blocks={cfg.recompute_blocks} "
+            f"would redo blocks: choose one (recompute_blocks=None with recompute=False)"
+        )
     policy = (
-        FaultPolicy(block_n=128, fused=cfg.fused, recompute_blocks=cfg.recompute_blocks)
+        FaultPolicy(
+            block_n=128, fused=cfg.fused, recompute=cfg.recompute, recompute_blocks=cfg.recompute_blocks
+        )
         if cfg.protect
         else FaultPolicy.off()
     )
@@ -233,7 +244,17 @@ def train(cfg: TrainConfig) -> dict:
     # --- the step ---
     layers = model_cfg.n_layers
 
-    def step_fn(params, rest, opt_state, batch, key):
+    def step_fn(params, rest, opt_state, pim_state, batch, key, scrub: bool):
+        # The scrub and repair run inside the step's program, not as a call of their own before it:
+        # their branch (repair only what is faulty) makes a GPU's host wait for the scrub's result,
+        # and as a separate call that wait came between two dispatches, the device idle while the
+        # host then queued the step (on an H200 the protected step's call took ~180 ms of host
+        # time for ~140 ms of kernels). Inside, the host resumes queueing the step's own kernels.
+        if store is not None and scrub:
+            fixed = store.repair(params, pim_state)
+            params, mem = fixed.params, fixed.report
+        else:
+            mem = FaultReport.zeros()
         kg, kl, kn = jax.random.split(key, 3)
         m = nnx.merge(graphdef, params, rest)
         if cfg.protect:
@@ -278,9 +299,9 @@ def train(cfg: TrainConfig) -> dict:
             nan_burst=nan.astype(jnp.int32),
             skipped=(opt_state.last_skip_reason != SKIP_NONE).astype(jnp.int32),
         )
-        return params, opt_state, pim, stats, report
+        return params, opt_state, pim, stats, report, mem
 
-    step = jax.jit(step_fn, donate_argnums=(0, 2))
+    step = jax.jit(step_fn, donate_argnums=(0, 2, 3), static_argnames="scrub")
     eval_loss = jax.jit(lambda p, r, b: _xent(nnx.merge(graphdef, p, r)(b[:, :-1]), b[:, 1:]))
     windows = jax.device_put(jnp.asarray(D.eval_windows(valid_ids, cfg.seq, cfg.eval_windows)))
 
@@ -327,27 +348,23 @@ def train(cfg: TrainConfig) -> dict:
     stream = D.batches(train_ids, cfg.batch, cfg.seq, cfg.seed, start_step=start)
     t_last, tok_s = time.perf_counter(), 0.0
     step_s: list[float] = []  # wall time of each step after the first of this run (that one compiles)
-    for s in bar:
-        if store is not None and cfg.flip_every and s > 0 and s % cfg.flip_every == 0:
-            faults.random_bit_flips(store, params, cfg.flips, seed=cfg.seed * 1_000_003 + s)
-            totals["flips"] += cfg.flips
-        if store is not None and s % cfg.scrub_every == 0:
-            fixed = store.repair(params, pim_state)
-            params, pim_state = fixed.params, fixed.state
-            memory = memory + fixed.report
-        batch = jax.device_put(jnp.asarray(next(stream)), batch_sharding)
-        params, opt_state, new_pim, stats, report = step(
-            params, rest, opt_state, batch, jax.random.key(cfg.seed * 7919 + s)
-        )
-        if new_pim is not None:
-            pim_state = new_pim
+    # Host time of each step's call (after the first): queueing it, and waiting wherever its program
+    # makes the host wait (a GPU reads loop and branch predicates on the host). Near the step time,
+    # the host and not the device sets the pace.
+    call_s: list[float] = []
+
+    def finish(s, stats, report, mem, timed: bool) -> None:
+        """Read step s's counters (waits for it), log it and move the bar. ``timed``: the interval
+        since the last read is step s's time (see the loop)."""
+        nonlocal report_sum, memory, t_last, tok_s
         stats = {k: float(v) for k, v in jax.device_get(stats).items()}
         report_sum = report_sum + jax.device_get(report)
+        memory = memory + jax.device_get(mem)
         totals["gemm_injected"] += int(stats["injected_gemm"])
         totals["nan_bursts"] += int(stats["nan_burst"])
         totals["skipped"] += int(stats["skipped"])
         now = time.perf_counter()
-        if s > start:
+        if s > start and timed:
             step_s.append(now - t_last)
         tok_s = tokens_per_step / (now - t_last) if s > start else 0.0
         t_last = now
@@ -362,8 +379,9 @@ def train(cfg: TrainConfig) -> dict:
             **{k: int(v) for k, v in (report_sum + memory).to_dict().items() if v},
         )
         if (s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps:
-            rec["eval_loss"] = evaluate(params)
+            rec["eval_loss"] = evaluate(params)  # read before the next step is queued (below)
             evals.append((s + 1, rec["eval_loss"]))
+            t_last = time.perf_counter()  # the next step's interval starts after the evaluation
         curve.append((s + 1, stats["loss"]))
         log.write(json.dumps(rec) + "\n")
         bar.set_postfix(
@@ -374,12 +392,55 @@ def train(cfg: TrainConfig) -> dict:
             flips=f"{int(memory.banks_repaired)}/{totals['flips']}",
             skip=totals["skipped"],
         )
-        if mngr is not None and (s + 1) % cfg.ckpt_every == 0:
+
+    # Step s's counters are read once step s + 1 is queued, so the host's reading, logging and next
+    # dispatch overlap the device's work instead of following it (this only pays once nothing in
+    # the step makes the host wait: see step_fn's scrub and fault_aware's select). Steps that
+    # evaluate, checkpoint or end the run are read before anything else is queued.
+    #
+    # Step times are the intervals between reads (bit flips injected between steps included). A step
+    # read right after the one before it in the same iteration (the run's last, or one before an
+    # evaluation) is left out of the median: where the step makes the host wait (a loop or branch
+    # on a GPU), its time was mostly spent inside the previous interval, which ended only once this
+    # step had been queued.
+    pending = None
+    for s in bar:
+        if store is not None and cfg.flip_every and s > 0 and s % cfg.flip_every == 0:
+            faults.random_bit_flips(store, params, cfg.flips, seed=cfg.seed * 1_000_003 + s)
+            totals["flips"] += cfg.flips
+        batch = jax.device_put(jnp.asarray(next(stream)), batch_sharding)
+        t_call = time.perf_counter()
+        params, opt_state, new_pim, stats, report, mem = step(
+            params,
+            rest,
+            opt_state,
+            pim_state,
+            batch,
+            jax.random.key(cfg.seed * 7919 + s),
+            scrub=store is not None and s % cfg.scrub_every == 0,
+        )
+        if s > start:
+            call_s.append(time.perf_counter() - t_call)
+        if new_pim is not None:
+            pim_state = new_pim
+        read_before = pending is not None
+        if read_before:
+            finish(*pending, timed=True)
+        pending = (s, stats, report, mem)
+        stop = bool(cfg.stop_after) and s + 1 - start >= cfg.stop_after
+        ckpt = mngr is not None and (s + 1) % cfg.ckpt_every == 0
+        if stop or ckpt or (s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps:
+            finish(*pending, timed=not read_before)
+            pending = None
+        if ckpt:
             import orbax.checkpoint as ocp
 
             mngr.save(s + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
-        if cfg.stop_after and s + 1 - start >= cfg.stop_after:
+            t_last = time.perf_counter()
+        if stop:
             break
+    if pending is not None:
+        finish(*pending, timed=True)
     if mngr is not None:
         mngr.wait_until_finished()
     log.close()
@@ -387,7 +448,7 @@ def train(cfg: TrainConfig) -> dict:
         fixed = store.repair(params, pim_state)
         params, pim_state, memory = fixed.params, fixed.state, memory + fixed.report
     final_eval = evaluate(params)
-    # The median step (repair, the step itself and the host reading its counters, back to back) is the
+    # The median step (the step with its scrub and repair, and the host reading its counters) is the
     # throughput figure; the last step alone is what the progress bar showed.
     median_tok_s = tokens_per_step / float(np.median(step_s)) if step_s else 0.0
     mem = jax.devices()[0].memory_stats() or {}
@@ -407,6 +468,7 @@ def train(cfg: TrainConfig) -> dict:
         tokens_per_s=tok_s,
         mfu=(flops_tok * tok_s / peak) if peak else None,
         step_seconds=step_s,
+        call_seconds=call_s,
         tokens_per_s_median=median_tok_s,
         mfu_median=(flops_tok * median_tok_s / peak) if peak else None,
         flops_per_token=flops_tok,
