@@ -36,6 +36,7 @@ def run(
     cudnn_peer: bool | None = None,
     redo_blocks: int = 0,
     no_recompute: bool = False,
+    remat_policy: str = "full",
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -44,7 +45,9 @@ def run(
     protected step with ``FaultPolicy(recompute_blocks=redo_blocks)``: each GEMM redoes its flagged
     column blocks without a branch, where the default's recompute loop has the host read a
     predicate per GEMM. ``no_recompute`` adds a protected step with ``FaultPolicy(recompute=False)``:
-    what a check cannot locate skips the step instead of being recomputed, so no loop at all."""
+    what a check cannot locate skips the step instead of being recomputed, so no loop at all.
+    ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" keeps the
+    linear layers' products for the backward pass instead of recomputing them."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -68,6 +71,7 @@ def run(
                 seq=seq,
                 dtype=dtype,
                 remat=True,
+                remat_policy=remat_policy,
                 devices=n,
                 eval_every=10**9,
                 eval_windows=n,
@@ -96,6 +100,7 @@ def run(
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
                 "shape": f"B={cfg.batch} T={seq} {dtype}",
+                "remat": remat_policy,
                 "params": s["params"],
                 "steps": steps,
                 "step_ms": 1e3 * cfg.batch * seq / s["tokens_per_s_median"],
@@ -145,7 +150,12 @@ def _attention_label(protect: bool, flash: str) -> str:
     return "materialised"
 
 
-def quick(cudnn_peer: bool | None = None, redo_blocks: int = 0, no_recompute: bool = False) -> list[dict]:
+def quick(
+    cudnn_peer: bool | None = None,
+    redo_blocks: int = 0,
+    no_recompute: bool = False,
+    remat_policy: str = "full",
+) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
         layers=1,
@@ -158,4 +168,5 @@ def quick(cudnn_peer: bool | None = None, redo_blocks: int = 0, no_recompute: bo
         cudnn_peer=cudnn_peer,
         redo_blocks=redo_blocks,
         no_recompute=no_recompute,
+        remat_policy=remat_policy,
     )

@@ -9,6 +9,8 @@ python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims t
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --no-recompute
                                                      # also branch-free recompute, and none
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy gemms
+                                                     # blocks keep their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
@@ -63,6 +65,12 @@ def main() -> None:
         action="store_true",
         help="llama3: also protected with FaultPolicy(recompute=False) (skip what a check cannot locate)",
     )
+    ap.add_argument(
+        "--remat-policy",
+        choices=["full", "gemms"],
+        default="full",
+        help="llama3: what each rematerialised block keeps (gemms: the linear layers' products too)",
+    )
     ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
     ap.add_argument(
         "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="matmul: operand dtype"
@@ -104,6 +112,7 @@ def main() -> None:
                 fused=args.fused,
                 redo_blocks=args.redo_blocks,
                 no_recompute=args.no_recompute,
+                remat_policy=args.remat_policy,
             ),
         ),
     ):

@@ -152,12 +152,22 @@ class DecoderBlock(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
+# Llama3(remat=...): what a rematerialised block keeps for its backward pass (None: its input alone).
+REMAT_POLICIES = {
+    "full": None,
+    "gemms": jax.checkpoint_policies.save_only_these_names(L.LINEAR_OUTPUT),
+}
+
+
 class Llama3(nnx.Module):
     """``Llama3(cfg, rngs=nnx.Rngs(0))(tokens)`` → float32 logits (B, T, vocab).
 
     ``dtype`` is the compute dtype (e.g. bf16), ``param_dtype`` the storage dtype; ``policy`` reaches
-    every layer; ``remat`` rematerialises each block in the backward pass (activation memory of one
-    block instead of all); ``flash`` is every attention's choice of a flash kernel
+    every layer; ``remat`` rematerialises each block in the backward pass: True (or "full") keeps only
+    each block's input (activation memory of one block instead of all), "gemms" also keeps every
+    linear layer's product (``layers.LINEAR_OUTPUT``), so the backward pass recomputes no GEMM (nor a
+    protected GEMM's checks), only what follows them: norms, activations, RoPE and attention;
+    ``flash`` is every attention's choice of a flash kernel
     (:func:`pimlayers.layers.attention_core`: None = the verified kernel where it applies, True with
     protection off = cuDNN's). With ``cache`` (from `init_cache`), returns ``(logits, cache)``.
     """
@@ -169,12 +179,14 @@ class Llama3(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         policy: FaultPolicy | None = None,
-        remat: bool = False,
+        remat: bool | str = False,
         flash: bool | None = None,
         rngs: nnx.Rngs,
     ):
         if not isinstance(cfg, LlamaConfig):
             raise TypeError(f"Llama3: cfg is a {type(cfg).__name__}; expected models.llama3.LlamaConfig")
+        if not (isinstance(remat, bool) or remat in REMAT_POLICIES):
+            raise ValueError(f"Llama3: remat={remat!r}; expected a bool or one of {sorted(REMAT_POLICIES)}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         # Set by a trainer that shards the batch (e.g. NamedSharding(mesh, P(("data", "fsdp")))): the
         # hidden state is pinned to it after the embedding and after every block, so XLA keeps the
@@ -229,7 +241,8 @@ class Llama3(nnx.Module):
         for i, layer in enumerate(self.layers):
             c = None if cache is None else cache[i]
             if self.remat and cache is None:
-                x, c = nnx.remat(lambda blk, x, p: blk(x, p))(layer, x, positions)
+                policy = REMAT_POLICIES["full" if self.remat is True else self.remat]
+                x, c = nnx.remat(lambda blk, x, p: blk(x, p), policy=policy)(layer, x, positions)
             else:
                 x, c = layer(x, positions, c)
             x = pin(x)

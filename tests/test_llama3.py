@@ -181,15 +181,15 @@ def test_remat_and_bf16_train_step():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
 
     plain = Llama3(cfg, rngs=nnx.Rngs(0))
-    remat = Llama3(cfg, remat=True, rngs=nnx.Rngs(0))
     step = nnx.jit(nnx.value_and_grad(loss_of))
     l1, g1 = step(plain)
-    l2, g2 = step(remat)
-    np.testing.assert_allclose(l1, l2, rtol=1e-6)
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(g1, nnx.Param)), jax.tree.leaves(nnx.state(g2, nnx.Param)), strict=True
-    ):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    for how in (True, "gemms"):  # recompute everything; keep the GEMMs' products (see below)
+        l2, g2 = step(Llama3(cfg, remat=how, rngs=nnx.Rngs(0)))
+        np.testing.assert_allclose(l1, l2, rtol=1e-6)
+        for a, b in zip(
+            jax.tree.leaves(nnx.state(g1, nnx.Param)), jax.tree.leaves(nnx.state(g2, nnx.Param)), strict=True
+        ):
+            np.testing.assert_allclose(a, b, atol=1e-6)
     assert abs(float(l1) - np.log(cfg.vocab_size)) < 0.5  # an untrained model is near uniform
     half = Llama3(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     lb = nnx.jit(loss_of)(half)
@@ -222,3 +222,48 @@ def test_without_recompute_the_training_gradient_has_no_loop_or_branch():
 
     assert flow(FaultPolicy())["while"] > 0  # the default recomputes in loops of 0 or 1 trips
     assert flow(FaultPolicy(recompute=False)) == {"cond": 0, "while": 0}
+
+
+def _backward_gemms(model, toks) -> int:
+    """dot_generals in the rematerialised backward pass of ``model``'s gradient (the blocks' recompute
+    and their backward GEMMs), counted in the jaxpr."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(m):
+        return jnp.mean(m(toks[:, :-1]))
+
+    def step(p, r):
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
+
+    count = 0
+
+    def walk(jaxpr, inside: bool) -> None:
+        nonlocal count
+        for eqn in jaxpr.eqns:
+            count += inside and eqn.primitive.name == "dot_general"
+            here = inside or bool(eqn.params.get("differentiated"))  # a remat's backward
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    j = getattr(sub, "jaxpr", sub)
+                    if hasattr(j, "eqns"):
+                        walk(j, here)
+
+    walk(jax.make_jaxpr(step)(params, rest).jaxpr, False)
+    return count
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_remat_saving_gemm_outputs_recomputes_no_gemm(protect):
+    from pimlayers.faults import FaultPolicy
+
+    cfg = get_config("llama3_tiny", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    policy = FaultPolicy() if protect else FaultPolicy.off()
+    build = lambda remat: Llama3(cfg, policy=policy, remat=remat, rngs=nnx.Rngs(0))
+    full, gemms = _backward_gemms(build(True), toks), _backward_gemms(build("gemms"), toks)
+    # Of each block's GEMMs the backward needs the products of q, k, v, gate and up (attention and
+    # the activation's derivative): full remat recomputes them (protected: with their checks), and
+    # "gemms" saved them.
+    assert full - gemms >= 5 * cfg.n_layers
+    with pytest.raises(ValueError, match="remat='dots'"):
+        build("dots")

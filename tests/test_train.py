@@ -76,5 +76,14 @@ def test_bad_options_are_refused(capsys):
     assert "routed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         T.parse_args(["--config", "gpt2"])
+    with pytest.raises(SystemExit):
+        T.parse_args(["--remat-policy", "dots"])
+    assert "gemms" in capsys.readouterr().err
+    for bad, match in (
+        (dict(recompute=False, recompute_blocks=4), "choose one"),
+        (dict(remat_policy="dots"), "remat_policy='dots'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            T.train(T.TrainConfig(**bad))
     cfg = T.parse_args(["--steps", "5", "--no-protect", "--data", "a.txt", "b"])
     assert cfg.steps == 5 and not cfg.protect and cfg.data == ["a.txt", "b"]

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.llama3 import CONFIGS, Llama3, get_config
+from models.llama3 import CONFIGS, REMAT_POLICIES, Llama3, get_config
 from pimlayers import faults
 from pimlayers.faults import FaultPolicy, FaultReport, GemmFaults
 from pimlayers.flax import nnx as pnnx
@@ -59,6 +59,9 @@ class TrainConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     remat: bool = False
+    # With remat: "full" keeps each block's input alone; "gemms" also every linear layer's product, so
+    # the backward pass recomputes no GEMM (nor a protected GEMM's checks) (models.llama3.Llama3).
+    remat_policy: str = "full"
     devices: int = 0  # devices to use (0: all)
     fsdp: int = 0  # of those, devices on the FSDP axis (0: all)
     seed: int = 0
@@ -113,6 +116,8 @@ def parse_args(argv=None) -> TrainConfig:
         ap.error(f"--config {cfg.config}: expected one of {sorted(CONFIGS)}")
     if cfg.flash not in _FLASH:
         ap.error(f"--flash {cfg.flash}: expected one of {sorted(_FLASH)}")
+    if cfg.remat_policy not in REMAT_POLICIES:
+        ap.error(f"--remat-policy {cfg.remat_policy}: expected one of {sorted(REMAT_POLICIES)}")
     if cfg.link_fault_rate > 0:
         ap.error(
             "--link-fault-rate: the training script does not route its attention yet (pimlayers.routing."
@@ -153,6 +158,15 @@ def _peak(device) -> float | None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run one training; returns the summary (also written to ``out_dir/summary.json``)."""
+    if not cfg.recompute and cfg.recompute_blocks is not None:
+        raise ValueError(
+            f"TrainConfig.recompute=False recomputes nothing; recompute_blocks={cfg.recompute_blocks} "
+            f"would redo blocks: choose one (recompute_blocks=None with recompute=False)"
+        )
+    if cfg.remat_policy not in REMAT_POLICIES:
+        raise ValueError(
+            f"TrainConfig.remat_policy={cfg.remat_policy!r}; expected one of {sorted(REMAT_POLICIES)}"
+        )
     if cfg.coordinator:
         jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
     out = pathlib.Path(cfg.out_dir)
@@ -183,11 +197,6 @@ def train(cfg: TrainConfig) -> dict:
     # Checksums per 128-column block, not per whole row: the detection bound grows with the block's
     # sum of |x| |w|, and at the 8B widths (N = 14336) a whole-row bound is ~67, so an exponent flip
     # that turns a value of 2 into 0 would pass as rounding; per 128 columns it is ~0.2.
-    if not cfg.recompute and cfg.recompute_blocks is not None:
-        raise ValueError(
-            f"TrainConfig.recompute=False recomputes nothing; recompute_blocks={cfg.recompute_blocks} "
-            f"would redo blocks: choose one (recompute_blocks=None with recompute=False)"
-        )
     policy = (
         FaultPolicy(
             block_n=128, fused=cfg.fused, recompute=cfg.recompute, recompute_blocks=cfg.recompute_blocks
@@ -203,7 +212,7 @@ def train(cfg: TrainConfig) -> dict:
         dtype=dtype,
         param_dtype=pdtype,
         policy=policy,
-        remat=cfg.remat,
+        remat=cfg.remat_policy if cfg.remat else False,
         flash=_FLASH[cfg.flash],
         rngs=nnx.Rngs(cfg.seed),
     )

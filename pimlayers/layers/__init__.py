@@ -8,6 +8,7 @@ E model width, F MLP width, H query heads, KV key/value heads, D head width.
 from .attention import KVCache as KVCache
 from .attention import attention_core as attention_core
 from .attention import gqa_attention as gqa_attention
+from .linear import LINEAR_OUTPUT as LINEAR_OUTPUT
 from .linear import linear as linear
 from .mlp import llama_mlp as llama_mlp
 from .norm import rms_norm as rms_norm
@@ -16,6 +17,7 @@ from .rope import apply_rope as apply_rope
 from .rope import rope_frequencies as rope_frequencies
 
 __all__ = [
+    "LINEAR_OUTPUT",
     "KVCache",
     "Llama31Scaling",
     "apply_rope",

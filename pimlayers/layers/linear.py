@@ -5,13 +5,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from ..faults import FaultPolicy, FaultReport
 from ..ops import PimWeights, gate, pim_linear, protected_matmul
 from ._common import check_features, policy_or_default, promote, stock
 
-__all__ = ["linear"]
+__all__ = ["LINEAR_OUTPUT", "linear"]
+
+# The name every linear layer's product carries (before its bias, protected or not): a
+# rematerialisation policy that saves it (``jax.checkpoint_policies.save_only_these_names``) keeps
+# the backward pass from recomputing any GEMM, and with it a protected GEMM's checks; what follows a
+# GEMM (norms, activations, RoPE, attention) is recomputed from the saved products.
+LINEAR_OUTPUT = "pimlayers.linear_output"
 
 
 def linear(
@@ -68,6 +75,7 @@ def linear(
                 y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
             else:
                 y = kernel @ x if x.ndim == 1 else x @ kernel.T
+            y = checkpoint_name(y, LINEAR_OUTPUT)
             if bias is not None:
                 y = y + _row(bias, y.ndim)
             return y, FaultReport.zeros()
@@ -77,6 +85,7 @@ def linear(
             report = FaultReport.zeros()
         else:
             y, report = protected_matmul(x, w, policy=policy, faults=faults, tap=tap, precision=precision)
+        y = checkpoint_name(y, LINEAR_OUTPUT)
         if bias is not None:
             y = y + _row(bias.astype(y.dtype), y.ndim)
         if policy.gate and not policy.enabled:
