@@ -11,12 +11,23 @@
 #include "abft.h"
 #include "parallel.h"
 
+// One build serves every x86-64 CPU: the f32 block sums are cloned for AVX2 + FMA and the
+// baseline, and the loader picks the clone once (GCC and Clang, glibc's ifunc).
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define PL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PL_CLONES
+#endif
+
 namespace pimlayers {
 namespace {
 
+// amax: the largest |value| of the block, +inf where not known (a non-finite value was seen): a
+// finish in place then skips its gate pass when nothing can be gated.
 struct BlockSums {
   double s1, s2, sa;
   int64_t nonfinite, nf_loc;
+  float amax;
 };
 
 template <FloatKind KI>
@@ -28,6 +39,7 @@ BlockSums CarefulSums(const void* y, int64_t j0, int64_t n);
 template <FloatKind KI>
 BlockSums SumBlock(const void* y, int64_t j0, int64_t n) {
   double a1[4] = {0, 0, 0, 0}, a2[4] = {0, 0, 0, 0}, aa[4] = {0, 0, 0, 0};
+  float amax = 0;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     for (int q = 0; q < 4; ++q) {
@@ -35,6 +47,7 @@ BlockSums SumBlock(const void* y, int64_t j0, int64_t n) {
       a1[q] += v;
       a2[q] += static_cast<double>(j + q + 1) * v;
       aa[q] += std::fabs(v);
+      amax = std::max(amax, static_cast<float>(std::fabs(v)));
     }
   }
   for (; j < n; ++j) {
@@ -42,9 +55,14 @@ BlockSums SumBlock(const void* y, int64_t j0, int64_t n) {
     a1[0] += v;
     a2[0] += static_cast<double>(j + 1) * v;
     aa[0] += std::fabs(v);
+    amax = std::max(amax, static_cast<float>(std::fabs(v)));
   }
-  BlockSums s{(a1[0] + a1[1]) + (a1[2] + a1[3]), (a2[0] + a2[1]) + (a2[2] + a2[3]),
-              (aa[0] + aa[1]) + (aa[2] + aa[3]), 0, -1};
+  BlockSums s{(a1[0] + a1[1]) + (a1[2] + a1[3]),
+              (a2[0] + a2[1]) + (a2[2] + a2[3]),
+              (aa[0] + aa[1]) + (aa[2] + aa[3]),
+              0,
+              -1,
+              amax};
   if (std::isfinite(s.s1) && std::isfinite(s.s2) && std::isfinite(s.sa)) return s;
   return CarefulSums<KI>(y, j0, n);
 }
@@ -52,7 +70,7 @@ BlockSums SumBlock(const void* y, int64_t j0, int64_t n) {
 // One f64 pass that leaves non-finite values out and notes where they are.
 template <FloatKind KI>
 BlockSums CarefulSums(const void* y, int64_t j0, int64_t n) {
-  BlockSums s{0, 0, 0, 0, -1};
+  BlockSums s{0, 0, 0, 0, -1, std::numeric_limits<float>::infinity()};
   for (int64_t j = 0; j < n; ++j) {
     float v = LoadF(y, j0 + j, KI);
     if (!IsFiniteF(v)) {
@@ -67,15 +85,19 @@ BlockSums CarefulSums(const void* y, int64_t j0, int64_t n) {
   return s;
 }
 
-// float32 y (every GEMM output): eight f32 lanes in two 4-wide vectors (GCC/Clang vector
-// extensions: SSE2 on any x86-64, NEON on ARM; the plain loop was not vectorised and ran 6x
-// slower), flushed into f64 every 256 values, so no lane adds more than 32 rounded terms (error
-// <= 32 u sum|y|, far inside the check's bound, which already allows for f32 check sums: its
-// sqrt(n) term). The positions j + 1 are carried as floats, exact below 2^24 (wider blocks take
-// the careful pass). A non-finite sum (a non-finite value, or finite values overflowing f32)
-// also sends the block to CarefulSums.
+// float32 y (every GEMM output): sixteen f32 lanes in two 8-wide vectors (GCC/Clang vector
+// extensions: one AVX2 register each in the x86-64-v3 clone, two SSE2 registers in the baseline,
+// NEON on ARM; the plain loop was not vectorised and ran 6x slower), the two added and flushed
+// into four f64 lanes every 256 values, so no f32 partial sum has more than 32 rounded terms
+// (error <= 32 u sum|y|, far inside the check's bound, which already allows for f32 check sums:
+// its sqrt(n) term). The positions j + 1 are carried as floats, exact below 2^24 (wider blocks
+// take the careful pass). A non-finite sum (a non-finite value, or finite values overflowing f32)
+// also sends the block to CarefulSums. The largest |v| is kept as bits: non-negative floats order
+// as their bit patterns.
 typedef float F4 __attribute__((vector_size(16)));
 typedef int32_t I4 __attribute__((vector_size(16)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
 
 inline F4 LoadF4(const float* p) {
   F4 v;
@@ -85,41 +107,65 @@ inline F4 LoadF4(const float* p) {
 
 inline F4 AbsF4(F4 v) { return reinterpret_cast<F4>(reinterpret_cast<I4>(v) & 0x7fffffff); }
 
-template <>
-BlockSums SumBlock<FloatKind::kF32>(const void* yv, int64_t j0, int64_t n) {
-  const float* y = static_cast<const float*>(yv) + j0;
-  double d1 = 0, d2 = 0, da = 0;
+typedef double D4 __attribute__((vector_size(32)));
+
+// The sum of an 8-lane f32 vector's halves, as four f64 lanes.
+inline D4 Widen(F8 v) {
+  const D4 lo = {v[0], v[1], v[2], v[3]}, hi = {v[4], v[5], v[6], v[7]};
+  return lo + hi;
+}
+
+PL_CLONES BlockSums SumBlockF32(const float* y, int64_t n) {
+  D4 v1 = {0, 0, 0, 0}, v2 = v1, va = v1;
+  I8 mx = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
-  while (j + 8 <= n) {
-    F4 a1 = {0, 0, 0, 0}, b1 = a1, a2 = a1, b2 = a1, aa = a1, ba = a1;
+  while (j + 16 <= n) {
+    F8 a1 = {0, 0, 0, 0, 0, 0, 0, 0}, b1 = a1, a2 = a1, b2 = a1, aa = a1, ba = a1;
     const float p0 = static_cast<float>(j + 1);
-    F4 pa = {p0, p0 + 1, p0 + 2, p0 + 3}, pb = pa + 4;
-    const int64_t end = j + std::min<int64_t>(256, (n - j) / 8 * 8);
-    for (; j < end; j += 8) {
-      const F4 va = LoadF4(y + j), vb = LoadF4(y + j + 4);
+    F8 pa = {p0, p0 + 1, p0 + 2, p0 + 3, p0 + 4, p0 + 5, p0 + 6, p0 + 7}, pb = pa + 8;
+    const int64_t end = j + std::min<int64_t>(256, (n - j) / 16 * 16);
+    for (; j < end; j += 16) {
+      F8 va, vb;
+      std::memcpy(&va, y + j, sizeof(va));
+      std::memcpy(&vb, y + j + 8, sizeof(vb));
+      const I8 ia = reinterpret_cast<I8>(va) & 0x7fffffff,
+               ib = reinterpret_cast<I8>(vb) & 0x7fffffff;
       a1 += va;
       b1 += vb;
       a2 += pa * va;
       b2 += pb * vb;
-      aa += AbsF4(va);
-      ba += AbsF4(vb);
-      pa += 8;
-      pb += 8;
+      aa += reinterpret_cast<F8>(ia);
+      ba += reinterpret_cast<F8>(ib);
+      mx = mx > ia ? mx : ia;
+      mx = mx > ib ? mx : ib;
+      pa += 16;
+      pb += 16;
     }
-    for (int q = 0; q < 4; ++q) {
-      d1 += static_cast<double>(a1[q]) + b1[q];
-      d2 += static_cast<double>(a2[q]) + b2[q];
-      da += static_cast<double>(aa[q]) + ba[q];
-    }
+    v1 += Widen(a1 + b1);
+    v2 += Widen(a2 + b2);
+    va += Widen(aa + ba);
   }
+  double d1 = (v1[0] + v1[1]) + (v1[2] + v1[3]), d2 = (v2[0] + v2[1]) + (v2[2] + v2[3]);
+  double da = (va[0] + va[1]) + (va[2] + va[3]);
+  int32_t mbits = 0;
+  for (int q = 0; q < 8; ++q) mbits = std::max(mbits, mx[q]);
+  float amax;
+  std::memcpy(&amax, &mbits, sizeof(amax));
   for (; j < n; ++j) {
     const double v = y[j];
     d1 += v;
     d2 += static_cast<double>(j + 1) * v;
     da += std::fabs(v);
+    amax = std::max(amax, std::fabs(y[j]));
   }
-  if (std::isfinite(d1) && std::isfinite(d2) && std::isfinite(da) && n < (int64_t{1} << 24)) {
-    return {d1, d2, da, 0, -1};
+  return {d1, d2, da, 0, -1, amax};
+}
+
+template <>
+BlockSums SumBlock<FloatKind::kF32>(const void* yv, int64_t j0, int64_t n) {
+  const BlockSums s = SumBlockF32(static_cast<const float*>(yv) + j0, n);
+  if (std::isfinite(s.s1) && std::isfinite(s.s2) && std::isfinite(s.sa) && n < (int64_t{1} << 24)) {
+    return s;
   }
   return CarefulSums<FloatKind::kF32>(yv, j0, n);
 }
@@ -191,7 +237,13 @@ void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0
           d.flag = kAbftDetected;
         }
       }
-      if (!write_all && g.on && KO == FloatKind::kF32) {
+      // In place, a block whose values are all finite and within the limit (its largest |v|, from
+      // the sums' pass) has nothing to gate: no second pass. A corrected value is checked again.
+      const bool clean = s.amax <= std::min(g.limit, std::numeric_limits<float>::max()) &&
+                         d.flag != kAbftCorrected;
+      if (!write_all && g.on && clean) {
+        // nothing to gate
+      } else if (!write_all && g.on && KO == FloatKind::kF32) {
         float* row = static_cast<float*>(io.out) + j0;
         dropped += GateCopyF32(row, row, n, g);
       } else if (!write_all && g.on) {

@@ -193,3 +193,24 @@ def test_split_parts_are_exact_bf16_values_that_sum_to_the_f32_value():
     assert np.all(np.abs(np.asarray(rest)) <= 2.0**-24 * np.abs(np.asarray(v)))
     total = np.asarray(parts, np.float64).sum(0) + np.asarray(rest, np.float64)
     assert np.array_equal(total, np.asarray(v, np.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_n", [None, 128])
+def test_in_place_gate_skips_only_blocks_with_nothing_to_gate(dtype, block_n):
+    # In place (out_dtype = y's), a block whose largest |value| from the sums' pass is within the
+    # limit gets no gate pass: clean values past the limit must still be gated, and nothing else.
+    rng = np.random.default_rng(11)
+    y, c, mag = _gemm(rng, 8, 64, 300, block_n)
+    y = y.astype(dtype)
+    a = np.asarray(y, np.float32)
+    lim = float(np.quantile(np.abs(a), 0.99))  # ~24 clean values past it, in some blocks only
+    kw = dict(k=64, block_n=block_n, out_dtype=dtype, gate=True, fill=0.0, impl="native")
+    o, f, n = ops.abft_finish(y, c, mag, limit=lim, **kw)
+    over = np.abs(a) > lim
+    width = 300 if block_n is None else block_n
+    per_block = np.add.reduceat(over, np.arange(0, 300, width), axis=1)
+    assert not np.asarray(f).any() and np.array_equal(np.asarray(n), per_block)
+    assert np.array_equal(np.asarray(o, np.float32), np.where(over, 0.0, a))
+    o, f, n = ops.abft_finish(y, c, mag, limit=None, **kw)
+    assert not np.asarray(n).any() and np.array_equal(np.asarray(o, np.float32), a)
