@@ -137,9 +137,9 @@ def fault_aware(
 
         # Both outcomes computed, one selected (not `lax.cond`): on a GPU the runtime reads a cond's
         # predicate on the host, and this one depends on the whole backward pass, so the host would
-        # wait for it inside every step and could not queue the next step meanwhile. The select is
-        # fused into the inner update's elementwise pass (it reads the old state anyway); a skipped
-        # step, rare, pays for an update it throws away. Skipped: zero updates, the inner state
+        # wait for it inside every step and could not queue the next step meanwhile. XLA can fuse the
+        # select into the inner update's elementwise pass (which reads the old state anyway); a
+        # skipped step, rare, pays for an update it throws away. Skipped: zero updates, the inner state
         # passed through bit-identical (a select returns the old value's bits, NaN or not).
         new_updates, new_inner_state = inner.update(updates, state.inner_state, params, **extra)
         new_updates = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)

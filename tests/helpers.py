@@ -44,22 +44,26 @@ SMALL_GEOMETRY = BankGeometry(
 )
 
 
+def jaxpr_eqns(jaxpr, in_backward: bool = False):
+    """Every equation of a jaxpr, nested ones included, each with whether it sits in a
+    rematerialised block's backward pass (a ``remat`` equation with ``differentiated`` set)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, in_backward
+        inner_bwd = in_backward or bool(eqn.params.get("differentiated"))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr itself
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner, inner_bwd)
+
+
 def host_control_flow(closed_jaxpr) -> dict[str, int]:
     """``cond`` and ``while`` equations anywhere in a jaxpr, nested ones included: on a GPU the
     runtime reads each one's predicate on the host (XLA's default command buffers leave them out),
     so the host waits there and cannot queue further work meanwhile. ``lax.platform_dependent``'s
     conds (``branches_platforms`` set) are left out: lowering picks one branch, none runs as a cond."""
     counts = {"cond": 0, "while": 0}
-
-    def walk(jaxpr) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in counts and not eqn.params.get("branches_platforms"):
-                counts[eqn.primitive.name] += 1
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr itself
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(closed_jaxpr.jaxpr)
+    for eqn, _ in jaxpr_eqns(closed_jaxpr.jaxpr):
+        if eqn.primitive.name in counts and not eqn.params.get("branches_platforms"):
+            counts[eqn.primitive.name] += 1
     return counts

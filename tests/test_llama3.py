@@ -196,6 +196,21 @@ def test_remat_and_bf16_train_step():
     assert lb.dtype == jnp.float32 and abs(float(lb) - float(l1)) < 0.1
 
 
+def _grad_jaxpr(model, toks):
+    """The jaxpr of ``model``'s loss and gradient, built as the training step builds it (merged
+    inside the trace, nnx's own grad)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(m):
+        logits = m(toks[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+    def step(p, r):
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
+
+    return jax.make_jaxpr(step)(params, rest)
+
+
 def test_without_recompute_the_training_gradient_has_no_loop_or_branch():
     # FaultPolicy(recompute=False) corrects what the checks locate and leaves the rest to the
     # optimizer's skip: no GEMM or attention call keeps a loop whose predicate a GPU's host must read.
@@ -205,65 +220,32 @@ def test_without_recompute_the_training_gradient_has_no_loop_or_branch():
 
     cfg = get_config("llama3_tiny", n_layers=1)
     toks = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
-
-    def flow(policy):
-        graphdef, params, rest = nnx.split(
-            Llama3(cfg, policy=policy, remat=True, rngs=nnx.Rngs(0)), nnx.Param, ...
-        )
-
-        def loss(m):
-            logits = m(toks[:, :-1])
-            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
-
-        def step(p, r):  # as the training step does: merged inside the trace, nnx's own grad
-            return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
-
-        return host_control_flow(jax.make_jaxpr(step)(params, rest))
-
+    flow = lambda policy: host_control_flow(
+        _grad_jaxpr(Llama3(cfg, policy=policy, remat=True, rngs=nnx.Rngs(0)), toks)
+    )
     assert flow(FaultPolicy())["while"] > 0  # the default recomputes in loops of 0 or 1 trips
     assert flow(FaultPolicy(recompute=False)) == {"cond": 0, "while": 0}
 
 
-def _backward_gemms(model, toks) -> int:
-    """dot_generals in the rematerialised backward pass of ``model``'s gradient (the blocks' recompute
-    and their backward GEMMs), counted in the jaxpr."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+def test_remat_saving_gemm_outputs_recomputes_no_gemm():
+    from helpers import jaxpr_eqns
 
-    def loss(m):
-        return jnp.mean(m(toks[:, :-1]))
-
-    def step(p, r):
-        return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
-
-    count = 0
-
-    def walk(jaxpr, inside: bool) -> None:
-        nonlocal count
-        for eqn in jaxpr.eqns:
-            count += inside and eqn.primitive.name == "dot_general"
-            here = inside or bool(eqn.params.get("differentiated"))  # a remat's backward
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    j = getattr(sub, "jaxpr", sub)
-                    if hasattr(j, "eqns"):
-                        walk(j, here)
-
-    walk(jax.make_jaxpr(step)(params, rest).jaxpr, False)
-    return count
-
-
-@pytest.mark.parametrize("protect", [False, True])
-def test_remat_saving_gemm_outputs_recomputes_no_gemm(protect):
     from pimlayers.faults import FaultPolicy
 
     cfg = get_config("llama3_tiny", n_layers=1)
     toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
-    policy = FaultPolicy() if protect else FaultPolicy.off()
-    build = lambda remat: Llama3(cfg, policy=policy, remat=remat, rngs=nnx.Rngs(0))
-    full, gemms = _backward_gemms(build(True), toks), _backward_gemms(build("gemms"), toks)
+
+    def saved(policy) -> int:  # dot products the backward no longer reruns with remat="gemms"
+        def dots(remat):
+            jaxpr = _grad_jaxpr(Llama3(cfg, policy=policy, remat=remat, rngs=nnx.Rngs(0)), toks).jaxpr
+            return sum(bwd and e.primitive.name == "dot_general" for e, bwd in jaxpr_eqns(jaxpr))
+
+        return dots(True) - dots("gemms")
+
     # Of each block's GEMMs the backward needs the products of q, k, v, gate and up (attention and
-    # the activation's derivative): full remat recomputes them (protected: with their checks), and
-    # "gemms" saved them.
-    assert full - gemms >= 5 * cfg.n_layers
+    # the activation's derivative): full remat recomputes them, "gemms" kept them; protected, the
+    # GEMMs' checks are not rerun either.
+    plain = saved(FaultPolicy.off())
+    assert plain >= 5 * cfg.n_layers and saved(FaultPolicy()) > plain
     with pytest.raises(ValueError, match="remat='dots'"):
-        build("dots")
+        Llama3(cfg, remat="dots", rngs=nnx.Rngs(0))
