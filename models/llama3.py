@@ -185,7 +185,7 @@ class Llama3(nnx.Module):
     ):
         if not isinstance(cfg, LlamaConfig):
             raise TypeError(f"Llama3: cfg is a {type(cfg).__name__}; expected models.llama3.LlamaConfig")
-        if not (isinstance(remat, bool) or remat in REMAT_POLICIES):
+        if not (isinstance(remat, bool) or (isinstance(remat, str) and remat in REMAT_POLICIES)):
             raise ValueError(f"Llama3: remat={remat!r}; expected a bool or one of {sorted(REMAT_POLICIES)}")
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         # Set by a trainer that shards the batch (e.g. NamedSharding(mesh, P(("data", "fsdp")))): the
