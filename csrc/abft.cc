@@ -11,14 +11,6 @@
 #include "abft.h"
 #include "parallel.h"
 
-// One build serves every x86-64 CPU: the f32 block sums are cloned for AVX2 + FMA and the
-// baseline, and the loader picks the clone once (GCC and Clang, glibc's ifunc).
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define PL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PL_CLONES
-#endif
-
 namespace pimlayers {
 namespace {
 

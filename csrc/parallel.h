@@ -1,4 +1,5 @@
-// Splitting a CPU handler's independent units over XLA's intra-op thread pool.
+// Splitting a CPU handler's independent units over XLA's intra-op thread pool, and cloning its
+// kernels for the CPU they run on.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,14 @@
 #include <thread>
 
 #include "common.h"
+
+// A CPU kernel marked PL_CLONES is built for AVX2 + FMA and for the baseline, and the loader picks
+// the clone once (GCC and Clang, glibc's ifunc): one build serves every x86-64 CPU.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define PL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PL_CLONES
+#endif
 
 namespace pimlayers {
 
