@@ -105,7 +105,8 @@ def _row(
 def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat16, block_ns=(None, 128)):
     """Where a protected forward GEMM's time goes: each stage timed alone, then together.
 
-    plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the checks
+    plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the encode
+    of w's checksum columns and of wᵀ's (the backward's, from w in place), the checks
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
@@ -132,8 +133,16 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 return jax.jit(lambda xx, ww, ee: ops.protected_matmul(xx, ww, ee, policy=p)), args
 
             c, mag = jax.jit(ops.abft_checks)(x, enc)
+            bn = block_n
             fns = {
                 "plain": (jax.jit(jnp.matmul), (x, w)),
+                # w's checksum columns (encode on write) and those of wᵀ (the backward's dx check,
+                # encoded from w on the fly every step)
+                "encode": (jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn)), (w,)),
+                "encode_transposed": (
+                    jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn, transposed=True)),
+                    (w,),
+                ),
                 "checks": (jax.jit(ops.abft_checks), (x, enc)),
                 "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
                 "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
