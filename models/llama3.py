@@ -155,7 +155,7 @@ class DecoderBlock(nnx.Module):
 # Llama3(remat=...): what a rematerialised block keeps for its backward pass (None: its input alone).
 REMAT_POLICIES = {
     "full": None,
-    "gemms": jax.checkpoint_policies.save_only_these_names(L.LINEAR_OUTPUT),
+    "gemms": jax.checkpoint_policies.save_only_these_names(L.LINEAR_OUTPUT, L.FLASH_RESIDUALS),
 }
 
 
@@ -165,8 +165,10 @@ class Llama3(nnx.Module):
     ``dtype`` is the compute dtype (e.g. bf16), ``param_dtype`` the storage dtype; ``policy`` reaches
     every layer; ``remat`` rematerialises each block in the backward pass: True (or "full") keeps only
     each block's input (activation memory of one block instead of all), "gemms" also keeps every
-    linear layer's product (``layers.LINEAR_OUTPUT``), so the backward pass recomputes no GEMM (nor a
-    protected GEMM's checks), only what follows them: norms, activations, RoPE and attention;
+    linear layer's product (``layers.LINEAR_OUTPUT``) and the verified flash attention's output and
+    logsumexp (``layers.FLASH_RESIDUALS``), so the backward pass recomputes no GEMM (nor a protected
+    GEMM's checks) and no flash forward kernel, only norms, activations, RoPE and the materialised
+    attention where no flash kernel runs;
     ``flash`` is every attention's choice of a flash kernel
     (:func:`pimlayers.layers.attention_core`: None = the verified kernel where it applies, True with
     protection off = cuDNN's). With ``cache`` (from `init_cache`), returns ``(logits, cache)``.

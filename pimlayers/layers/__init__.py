@@ -5,6 +5,7 @@ holds state. Shape letters used across the package: B batch, T query positions, 
 E model width, F MLP width, H query heads, KV key/value heads, D head width.
 """
 
+from .attention import FLASH_RESIDUALS as FLASH_RESIDUALS
 from .attention import KVCache as KVCache
 from .attention import attention_core as attention_core
 from .attention import gqa_attention as gqa_attention
@@ -17,6 +18,7 @@ from .rope import apply_rope as apply_rope
 from .rope import rope_frequencies as rope_frequencies
 
 __all__ = [
+    "FLASH_RESIDUALS",
     "LINEAR_OUTPUT",
     "KVCache",
     "Llama31Scaling",
