@@ -4,6 +4,7 @@ profiler, the device's kernels summed by name and by the JAX scope that launched
 python -m benchmarks.profile --layers 2 --protect          # one GPU, Llama-3-8B dims, T = 8192
 python -m benchmarks.profile --layers 2 --protect --fused  # the same with FaultPolicy(fused=True)
 python -m benchmarks.profile --layers 2 --flash on         # unprotected, cuDNN's flash attention
+python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms   # train's options
 python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect   # a CPU smoke run
 
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
@@ -32,6 +33,7 @@ import typing
 
 import jax
 
+from models.llama3 import REMAT_POLICIES
 from train.llama3 import TrainConfig, train
 
 
@@ -201,7 +203,13 @@ def summarize(
         gap = dict(before=lambda k: k[0], after=lambda k: k[1])
         out["gaps"] = per_step(idle.gaps, idle.count, **gap)
         out["phases"] = per_step(idle.phases, idle.phase_count, **gap)
-        out["host"] = per_step(host, calls, name=lambda k: k)
+        # A host event that the longer run does not repeat more often is one-off work whose time
+        # varied between the runs (compiling: each train() call jits its step afresh), not a step's.
+        per_call = collections.Counter({k: v for k, v in host.items() if base_dir is None or calls[k] > 0})
+        out["host"] = per_step(per_call, calls, name=lambda k: k)
+        # Negative: the runs' one-off gaps (compiles between kernels, the profiler's start) differed by
+        # more than the added steps' idle time; the difference then measures nothing.
+        out["idle_measured"] = idle.us >= 0 and idle.phase_us >= 0
     return out
 
 
@@ -213,6 +221,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps the longer traced run adds")
     ap.add_argument("--protect", action="store_true")
     ap.add_argument("--fused", action="store_true", help="FaultPolicy(fused=True): the fused forward GEMM")
+    ap.add_argument("--no-recompute", action="store_true", help="train's --no-recompute")
+    ap.add_argument("--redo-blocks", type=int, default=None, metavar="N", help="train's --recompute-blocks")
+    ap.add_argument(
+        "--remat-policy", default="full", choices=sorted(REMAT_POLICIES), help="train's --remat-policy"
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
         "--flash",
@@ -229,10 +242,14 @@ def main() -> None:
     n = len(jax.devices())
     cfg = dict(
         config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,
-        remat=True, devices=n, eval_every=10**9, eval_windows=n, warmup=1, protect=args.protect,
-        fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0, nan_rate=0.0, quiet=True,
+        remat=True, remat_policy=args.remat_policy, recompute=not args.no_recompute,
+        recompute_blocks=args.redo_blocks, devices=n, eval_every=10**9, eval_windows=n, warmup=1,
+        protect=args.protect, fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0,
+        nan_rate=0.0, quiet=True,
     )  # fmt: skip
-    train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))  # compiles outside the traces
+    # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
+    # so both traced runs compile it again and the difference cancels that.
+    train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)
     for name, steps in (("base", 1), ("trace", 1 + args.steps)):
@@ -248,7 +265,12 @@ def main() -> None:
         print(f"\n{title} (ms per step):")
         for r in rows:
             print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}")
-    if "idle_ms" in s:
+    if "idle_ms" in s and not s["idle_measured"]:
+        print(
+            f"\ndevice idle: not measured (the two runs' one-off gaps differ by more than the steps' idle: "
+            f"{s['idle_ms']:.1f} ms idle and {s['phase_ms']:.1f} ms of host phases per step differenced)"
+        )
+    if "idle_ms" in s and s["idle_measured"]:
         print(f"\ndevice idle between kernels: {s['idle_ms']:.1f} ms per step; largest gaps (ms, count):")
         for r in s["gaps"]:
             print(f"  {r['ms']:10.2f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
@@ -256,6 +278,7 @@ def main() -> None:
         print(f"\nhost phases ({phase}): {s['phase_ms']:.1f} ms per step")
         for r in s["phases"][:5]:
             print(f"  {r['ms']:10.2f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
+    if "host" in s:
         print("\nhost events (ms per step, inclusive of what they enclose; count per step):")
         for r in s["host"]:
             print(f"  {r['ms']:10.2f} ms  {r['count']:8.1f}  {r['name'][:100]}")

@@ -9,8 +9,8 @@ python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims t
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --no-recompute
                                                      # also branch-free recompute, and none
-python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy gemms
-                                                     # blocks keep their GEMMs' products
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
+                                                     # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
@@ -68,8 +68,9 @@ def main() -> None:
     ap.add_argument(
         "--remat-policy",
         choices=["full", "gemms"],
-        default="full",
-        help="llama3: what each rematerialised block keeps (gemms: the linear layers' products too)",
+        default="gemms",
+        help="llama3: what each rematerialised block keeps (gemms: the linear layers' products too; "
+        "full: recompute them, the training script's default)",
     )
     ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
     ap.add_argument(

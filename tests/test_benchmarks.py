@@ -126,13 +126,14 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
         tmp_path / "long": {("check", "gemm"): 3e5, ("start", "init"): 9e5},
         tmp_path / "short": {("start", "init"): 9e5},
     }
-    host = {  # host µs by name: 5 graph launches of 2 µs per step, the program's setup once
-        tmp_path / "long": {"cuGraphLaunch": 40.0, "setup": 700.0},
-        tmp_path / "short": {"cuGraphLaunch": 10.0, "setup": 700.0},
+    host = {  # host µs by name: 5 graph launches of 2 µs per step, the program's setup once, and a
+        # compile once in either run that took longer in the long one (not a step's work)
+        tmp_path / "long": {"cuGraphLaunch": 40.0, "setup": 700.0, "Compile": 9000.0},
+        tmp_path / "short": {"cuGraphLaunch": 10.0, "setup": 700.0, "Compile": 6000.0},
     }
 
     def counts(d):
-        return collections.Counter({k: round(v / 2) for k, v in d.items()})
+        return collections.Counter({k: 1 if k == "Compile" else round(v / 2) for k, v in d.items()})
 
     monkeypatch.setattr(
         profile,
@@ -151,7 +152,7 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
     assert [(r["name"], round(r["ms"] * 1e3, 9)) for r in s["kernels"]] == [("gemm", 100.0), ("check", 10.0)]
     assert abs(s["kernels"][0]["share"] - 100.0 / ((300 + 30 - 5) / 3)) < 1e-12
-    assert abs(s["idle_ms"] - 60.0 / 1e3) < 1e-12
+    assert abs(s["idle_ms"] - 60.0 / 1e3) < 1e-12 and s["idle_measured"]
     assert [(g["before"], g["after"], round(g["ms"] * 1e3, 9)) for g in s["gaps"]] == [
         ("gemm", "check", 60.0)
     ]
@@ -160,6 +161,10 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     assert [(h["name"], round(h["ms"] * 1e3, 9), h["count"]) for h in s["host"]] == [
         ("cuGraphLaunch", 10.0, 5.0)
     ]
+    # A shorter run with more one-off idle (a compile between its kernels) than the longer run's
+    # steps add: the difference is negative and flagged as measuring nothing.
+    gap[tmp_path / "short"][("init", "gemm")] = 50.0 + 500.0
+    assert not profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)["idle_measured"]
 
 
 def test_profile_idle_time_is_the_span_less_the_union_of_the_device_events(tmp_path):
