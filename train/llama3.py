@@ -59,8 +59,9 @@ class TrainConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     remat: bool = False
-    # With remat: "full" keeps each block's input alone; "gemms" also every linear layer's product, so
-    # the backward pass recomputes no GEMM (nor a protected GEMM's checks) (models.llama3.Llama3).
+    # With remat: "full" keeps each block's input alone; "gemms" also every linear layer's product and
+    # the verified flash forward's output, so the backward pass recomputes no GEMM (nor a protected
+    # GEMM's checks) and no flash forward (models.llama3.Llama3).
     remat_policy: str = "full"
     devices: int = 0  # devices to use (0: all)
     fsdp: int = 0  # of those, devices on the FSDP axis (0: all)
