@@ -109,7 +109,8 @@ profiler and sums the device kernels by name; `ms_per_step` divides by the steps
 of all device kernel time. `profile-off` and `profile-protect` are the same run without and with
 protection, so their difference is what protection costs and where. Those files trace one run whole
 (its initialisation and final repair and evaluation included); the tool now traces runs of 1 and
-1 + N steps and divides their difference by N, cancelling that one-off work.
+1 + N steps and divides their difference by N, cancelling that one-off work. An `hlo_op` column names
+the operation a kernel's HLO instruction came from, read from an XLA dump of the same step program.
 """
 
 
