@@ -261,7 +261,7 @@ def test_remat_saving_gemms_and_flash_residuals_recomputes_nothing_the_flash_ste
 
     from pimlayers.faults import FaultPolicy
 
-    cfg = get_config("llama3_tiny", n_layers=2, dim=128, n_heads=2, n_kv_heads=1, ffn_dim=256)
+    cfg = get_config("llama3_tiny", n_layers=1, dim=128, n_heads=2, n_kv_heads=1, ffn_dim=256)
     toks = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
 
     def model(remat):  # head dim 64, T = 128: shapes the flash kernels take
@@ -272,9 +272,7 @@ def test_remat_saving_gemms_and_flash_residuals_recomputes_nothing_the_flash_ste
         eqns = [e.primitive.name for e, _ in jaxpr_eqns(_grad_jaxpr(model(remat), toks).jaxpr)]
         return {name: eqns.count(name) for name in ("dot_general", "exp")}
 
-    none, full, gemms = ops(False), ops(True), ops("gemms")
-    assert full["dot_general"] > none["dot_general"] and full["exp"] > none["exp"]  # full remat reruns
-    assert gemms == none
+    assert ops("gemms") == ops(False)  # without the names: 5 more dots and 1 more exp per block
 
     def loss_of(m):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(m(toks[:, :-1])), toks[:, 1:, None], axis=-1))
