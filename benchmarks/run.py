@@ -24,6 +24,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from models.llama3 import REMAT_POLICIES
+
 from . import abft_campaign, llama3, matmul, memory, ops, peers, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
@@ -67,7 +69,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--remat-policy",
-        choices=["full", "gemms"],
+        choices=sorted(REMAT_POLICIES),
         default="gemms",
         help="llama3: what each rematerialised block keeps (gemms: the linear layers' products too; "
         "full: recompute them, the training script's default)",

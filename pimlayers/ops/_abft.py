@@ -103,7 +103,9 @@ def _materialised(sums):
     read w a second time to redo one sum. On an H200 (jax 0.11.2) the barrier took the transposed
     encode of a 4096 x 14336 bf16 weight from 0.45 to 0.23 ms (14336 x 4096: 0.58 to 0.24; f32:
     0.99 to 0.27) and the plain one of the f32 weight from 0.17 to 0.08 ms; in the protected
-    Llama-3-8B-dimension training step these fusions took ~8 ms of ~123 ms of kernels.
+    Llama-3-8B-dimension training step these fusions took ~8 ms of ~123 ms of kernels
+    (benchmarks/results/2026-12-02-abft-encode-barrier-ab-*; ``--suite matmul-parts`` times the
+    encodes as they are now).
     """
     return lax.optimization_barrier(sums)
 
