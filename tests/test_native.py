@@ -41,3 +41,40 @@ def test_without_native_the_references_run_and_say_so_once():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "1", "0.0"]
     assert out.stderr.count("pure-JAX reference") == 1
+
+
+def _prims(f, *args) -> list[str]:
+    import jax
+    from helpers import jaxpr_eqns
+
+    return [e.primitive.name for e, _ in jaxpr_eqns(jax.make_jaxpr(f)(*args).jaxpr)]
+
+
+def test_auto_calls_the_one_branch_every_present_platform_picks(monkeypatch):
+    # platform_dependent traces every branch; where all the process's platforms pick the same one,
+    # dispatch calls it alone (the unused references were ~40% of a training step's trace).
+    import jax.numpy as jnp
+
+    from pimlayers.ops import _dispatch
+
+    x = jnp.ones((8, 64))
+    gate = lambda a: pl.ops.gate(a, limit=1e3)
+    sums = lambda a: pl.ops.bank_checksums(a, bank_bytes=256)
+    assert _dispatch.present_platforms() == {"cpu"}
+    for f in (gate, sums):
+        alone = _prims(f, x)
+        assert "ffi_call" in alone and "platform_index" not in alone
+    assert "is_finite" not in _prims(gate, x)  # the reference's test is not traced
+    assert "is_finite" in _prims(lambda a: pl.ops.gate(a, limit=1e3, impl="reference"), x)
+
+    # A process with a GPU too (new shapes each time: jit caches traces): the checksums are native
+    # on both, one call; the gate is native on the CPU only (XLA's select wins on the GPU), so its
+    # per-platform switch over both branches stays.
+    monkeypatch.setattr(_dispatch, "present_platforms", lambda: frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(_dispatch, "has_native", lambda p: True)
+    assert "platform_index" not in _prims(sums, x[:4])
+    both = _prims(gate, x[:4])
+    assert "platform_index" in both and "ffi_call" in both and "is_finite" in both
+    # jax without the listing: the switch stays for every op.
+    monkeypatch.setattr(_dispatch, "present_platforms", lambda: frozenset())
+    assert "platform_index" in _prims(sums, x[:2])
