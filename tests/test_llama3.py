@@ -287,3 +287,37 @@ def test_remat_saving_gemms_and_flash_residuals_recomputes_nothing_the_flash_ste
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= 2.0**-5 * np.max(np.abs(a))
+
+
+@pytest.mark.parametrize("vocab", [256, 4096])
+def test_embedding_gradient_is_a_one_hot_gemm_for_small_vocabularies(vocab):
+    # Up to ONE_HOT_MAX_VOCAB rows the gradient is one_hot(tokens)ᵀ @ dy accumulated in f32
+    # (no scatter-add); above it, the gather's own scatter. Both equal the f32 sum per row.
+    from helpers import jaxpr_eqns
+
+    from models.llama3 import ONE_HOT_MAX_VOCAB, embed_lookup
+
+    rng = np.random.default_rng(9)
+    table = jnp.asarray(rng.normal(size=(vocab, 64)), jnp.float32)
+    # A skewed draw (most tokens in a few rows) and one token past the table (gets no gradient).
+    toks = jnp.asarray(np.append(rng.zipf(1.5, 255) % vocab, vocab).reshape(2, 128), jnp.int32)
+    dy = jnp.asarray(rng.normal(size=(2, 128, 64)), jnp.bfloat16)
+
+    def grad(dtype, t=table):
+        y, vjp = jax.vjp(lambda t: embed_lookup(t, toks, dtype), t)
+        return y, vjp(dy.astype(dtype))[0]
+
+    want = np.zeros((vocab, 64))
+    np.add.at(want, np.asarray(toks).ravel()[:-1], np.asarray(dy, np.float64).reshape(-1, 64)[:-1])
+    for dtype in (jnp.float32, jnp.bfloat16):
+        y, g = grad(dtype)
+        assert y.dtype == dtype and g.dtype == jnp.float32
+        gathered = jnp.take(table.astype(dtype), toks, axis=0)  # NaN for the token past the table
+        assert np.array_equal(np.asarray(y, np.float32), np.asarray(gathered, np.float32), equal_nan=True)
+        # f32 accumulation of bf16 cotangents: ~1e-6 relative; a bf16 accumulation of the ~100
+        # updates to the commonest row is ~1e-2 off.
+        tol = 1e-5 if vocab <= ONE_HOT_MAX_VOCAB or dtype == jnp.float32 else 0.1
+        np.testing.assert_allclose(np.asarray(g), want, atol=tol * np.abs(want).max())
+    jaxpr = jax.make_jaxpr(lambda t: grad(jnp.bfloat16, t)[1])(table).jaxpr
+    prims = [e.primitive.name for e, _ in jaxpr_eqns(jaxpr)]
+    assert ("scatter-add" in prims) == (vocab > ONE_HOT_MAX_VOCAB)
