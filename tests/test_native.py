@@ -60,7 +60,9 @@ def test_auto_calls_the_one_branch_every_present_platform_picks(monkeypatch):
     x = jnp.ones((8, 64))
     gate = lambda a: pl.ops.gate(a, limit=1e3)
     sums = lambda a: pl.ops.bank_checksums(a, bank_bytes=256)
-    assert _dispatch.present_platforms() == {"cpu"}
+    assert "cpu" in _dispatch.present_platforms()  # jax always has its CPU backend
+    # A CPU-only process (as CI's; on a GPU machine the CUDA backend is present too).
+    monkeypatch.setattr(_dispatch, "present_platforms", lambda: frozenset({"cpu"}))
     for f in (gate, sums):
         alone = _prims(f, x)
         assert "ffi_call" in alone and "platform_index" not in alone
