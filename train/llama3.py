@@ -83,7 +83,8 @@ class TrainConfig:
     # FaultPolicy.recompute: False corrects what a check locates and skips the step (fault_aware)
     # where it cannot, recomputing nothing: no loop in any GEMM or attention call, so nothing in the
     # step makes a GPU's host wait (on an H200, 4 layers, `python -m benchmarks.run --suite llama3
-    # --no-recompute`: 139 ms against 152 ms with the loops, 158 against 176 with --remat-policy full).
+    # --no-recompute`: 126 ms against 141-147 ms with the loops; 158 against 176 with --remat-policy
+    # full, an earlier code).
     recompute: bool = True
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
