@@ -12,6 +12,7 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
+python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 from models.llama3 import REMAT_POLICIES
 
-from . import abft_campaign, llama3, matmul, memory, ops, peers, routing
+from . import abft_campaign, finish, llama3, matmul, memory, ops, peers, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
@@ -37,6 +38,7 @@ def main() -> None:
         "ops",
         "matmul",
         "matmul-parts",
+        "finish",
         "abft",
         "memory",
         "pim",
@@ -49,7 +51,7 @@ def main() -> None:
     suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
-    ap.add_argument("--layers", type=int, default=8, help="llama3: decoder layers at 8B dimensions")
+    ap.add_argument("--layers", type=int, default=8, help="llama3, finish: decoder layers at 8B dimensions")
     ap.add_argument("--steps", type=int, default=12, help="llama3: training steps per configuration")
     ap.add_argument("--devices", type=int, default=1, help="llama3: devices to train on (0: all)")
     ap.add_argument(
@@ -98,6 +100,7 @@ def main() -> None:
     for name, run in (
         ("matmul", lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
+        ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
         ("abft", abft_campaign.run),
         ("memory", memory.run_store),
         ("pim", memory.run_pim),

@@ -261,3 +261,26 @@ def test_device_time_finds_native_calls_moved_out_of_its_loop():
             device_time(lambda a: ops.bank_guard_many(a, impl="native"), xs, n=2)
     else:
         assert moved == []
+
+
+def test_finish_suite_times_every_product_of_a_layer_and_adds_up_the_step(monkeypatch):
+    import jax.numpy as jnp
+
+    from benchmarks import finish
+
+    gemms = (("a", 128, 256), ("b", 256, 128))
+    rows = finish.run(m=64, gemms=gemms, dtype=jnp.float32, layers=3)
+    assert [r["product"] for r in rows] == ["a y", "a dx", "a dw", "b y", "b dx", "b dw", "step, 3 layers"]
+    assert [r["shape"] for r in rows[:3]] == ["64x256", "64x128", "128x256"]  # y, dx = dy @ wᵀ, dw = xᵀ @ dy
+    assert [r["k"] for r in rows[:3]] == [128, 256, 64]
+    for r in rows:
+        assert r["finish_ms"] > 0 and r["xla_read_ms"] > 0
+        assert r["vs_xla_read"] == pytest.approx(r["xla_read_ms"] / r["finish_ms"])
+    step = rows[-1]
+    assert step["mb"] == pytest.approx(3 * sum(r["mb"] for r in rows[:-1]))
+    assert step["finish_ms"] == pytest.approx(3 * sum(r["finish_ms"] for r in rows[:-1]))
+    # Checks that do not match the product: the suite refuses to time a finish that flags.
+    real = finish.ops.abft_checks
+    monkeypatch.setattr(finish.ops, "abft_checks", lambda x, e: (lambda c, m: (c + 1.0, m))(*real(x, e)))
+    with pytest.raises(AssertionError, match="clean blocks flagged"):
+        finish.run(m=64, gemms=gemms[:1], dtype=jnp.float32)

@@ -1,0 +1,97 @@
+"""``abft_finish`` alone at every product the protected Llama-3-8B training step checks.
+
+The finish reads a GEMM's product once (in place for bf16: nothing is written where nothing is
+corrected or gated), so its speed limit is the device's read bandwidth. Each row times it at one
+product of the step, carried through a jitted loop in place as the step runs it, against XLA
+reading the same bytes (a sum of y in f32) in the same run. The last row adds the rows up as a
+step of ``layers`` layers runs them (each product once per layer), which the profiler's
+``AbftRowKernel`` total per step can be set against.
+
+Products per GEMM x (M, K) @ w (K, N): the forward's y (M, N), the backward's dx = dy @ wᵀ (M, K)
+and dw = xᵀ @ dy (K, N, summed over the M tokens). The checks come from a real GEMM and
+``abft_checks``, and the finish must find every block clean before it is timed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pimlayers import ops
+
+from ._harness import carried_time
+
+__all__ = ["LLAMA3_8B_GEMMS", "products", "run"]
+
+# (name, K, N) of one decoder layer's linear layers at Llama-3-8B dimensions.
+LLAMA3_8B_GEMMS = (
+    ("q", 4096, 4096),
+    ("k", 4096, 1024),
+    ("v", 4096, 1024),
+    ("o", 4096, 4096),
+    ("gate", 4096, 14336),
+    ("up", 4096, 14336),
+    ("down", 14336, 4096),
+)
+
+
+def products(m: int, gemms=LLAMA3_8B_GEMMS) -> list[tuple[str, int, int, int]]:
+    """(role, rows, cols, inner K) of every product a layer's protected GEMMs check, M tokens."""
+    out = []
+    for name, k, n in gemms:
+        out += [(f"{name} y", m, n, k), (f"{name} dx", m, k, n), (f"{name} dw", k, n, m)]
+    return out
+
+
+def run(
+    m: int = 8192, gemms=LLAMA3_8B_GEMMS, dtype=jnp.bfloat16, block_n: int = 128, layers: int = 4
+) -> list[dict]:
+    rows, sums = [], np.zeros(3)  # bytes, finish and read seconds of one layer
+    for role, r, n, k in products(m, gemms):
+        x = jax.random.normal(jax.random.key(0), (r, k), jnp.float32).astype(dtype)
+        w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+        y = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(dtype))(x, w)
+        c, mag = jax.jit(ops.abft_checks)(x, ops.abft_encode(w, block_n))
+        del x, w
+        kw = dict(k=k, block_n=block_n, out_dtype=dtype)
+        _, flags, _ = jax.jit(lambda a, b, d, kw=kw: ops.abft_finish(a, b, d, **kw))(y, c, mag)
+        flagged = int(jnp.count_nonzero(flags))
+        if flagged:
+            raise AssertionError(f"finish {role} {r}x{n}: {flagged} clean blocks flagged")
+
+        def step(carry, kw=kw):  # in place: y is carried and donated, as the step's GEMM output is
+            yy, cc, mm = carry
+            return ops.abft_finish(yy, cc, mm, **kw)[0], cc, mm
+
+        t_finish = carried_time(step, (y, c, mag))
+        t_read = carried_time(_read, (y, jnp.float32(0)))
+        nbytes = y.size * y.dtype.itemsize
+        sums += (nbytes, t_finish, t_read)
+        rows.append(_row(role, (r, n), k, nbytes, t_finish, t_read))
+    rows.append(_row(f"step, {layers} layers", None, None, *(layers * sums)))
+    return rows
+
+
+def _read(carry):
+    """XLA reading y once (a sum in f32). y passes through a barrier with the loop's running sum,
+    so XLA can neither hoist the read out of the loop nor skip it (`device_time`'s loop let the
+    CPU's XLA do one or the other: 200 GB/s on a 2-core machine)."""
+    y, acc = lax.optimization_barrier(carry)
+    return y, acc + jnp.sum(y, dtype=jnp.float32)
+
+
+def _row(role, shape, k, nbytes, t_finish, t_read) -> dict:
+    return dict(
+        product=role,
+        shape="x".join(map(str, shape)) if shape else "",
+        k=k or "",
+        mb=nbytes / 1e6,
+        finish_ms=t_finish * 1e3,
+        finish_gbs=nbytes / t_finish / 1e9,
+        xla_read_ms=t_read * 1e3,
+        xla_read_gbs=nbytes / t_read / 1e9,
+        # 1: the finish reads y as fast as XLA's reduction does
+        vs_xla_read=t_read / t_finish,
+    )
