@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimlayers import FaultPolicy, ops
+from pimlayers.ops._abft import encode_transposed_gemm
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 
 from ._harness import time_fn, time_pair
@@ -106,7 +107,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     """Where a protected forward GEMM's time goes: each stage timed alone, then together.
 
     plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the encode
-    of w's checksum columns and of wᵀ's (the backward's, from w in place), the checks
+    of w's checksum columns and of wᵀ's (the backward's, from w in place; ``encode_transposed_gemm``
+    the same sums as GEMMs against a block matrix, checked equal first), the checks
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
@@ -143,6 +145,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                     jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn, transposed=True)),
                     (w,),
                 ),
+                # the same sums as two GEMMs against a block matrix (not the default yet)
+                "encode_transposed_gemm": (jax.jit(lambda ww, bn=bn: encode_transposed_gemm(ww, bn)), (w,)),
                 "checks": (jax.jit(ops.abft_checks), (x, enc)),
                 "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
                 "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
@@ -154,6 +158,9 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             if block_n == TILE and hopper():  # elsewhere "fused" would time the default again
                 fns["protected_fused"] = protected(policy.replace(fused=True))
                 fns["fused_kernel"] = (jax.jit(fused_gemm), (x, w))
+            want, got = (fns[f][0](w) for f in ("encode_transposed", "encode_transposed_gemm"))
+            for a, b in zip(want, got, strict=True):  # equal to f32 rounding (another summation order)
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(a).max()))
             for name in ("protected", "protected_redo_blocks", "protected_fused"):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)

@@ -253,6 +253,33 @@ def test_native_encode_matches_the_reference(transposed, dtype, shape, block_n):
         _native_encode_matches_the_reference(transposed, dtype, shape, block_n)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize(("shape", "block_n"), [((300, 70), 128), ((3, 130, 40), 32), ((64, 9), None)])
+def test_transposed_encode_as_gemms_equals_the_exact_sums(dtype, shape, block_n):
+    # E @ w against a block matrix: exact products in f32, so the sums equal the exact (f64) ones to
+    # f32 rounding, ragged last blocks and leading axes included. f32 w (whose GEMM might run in
+    # TF32) and blocks past 256 rows take the reduction itself.
+    from pimlayers.ops._abft import encode_transposed_gemm
+
+    w = (jax.random.normal(jax.random.key(4), shape, jnp.float32) * 3).astype(dtype)
+    got = jax.jit(encode_transposed_gemm, static_argnums=1)(w, block_n)
+    ref = jax.jit(ops.abft_encode_reference, static_argnums=(1, 2))(w, block_n, True)
+    wt = np.swapaxes(np.asarray(w, np.float64), -1, -2)  # (*g, K, N): the sums are of these rows
+    n, bn = wt.shape[-1], block_n or wt.shape[-1]
+    for b in range(-(-n // bn)):
+        blk = wt[..., b * bn : (b + 1) * bn]
+        exact = (blk.sum(-1), (blk * np.arange(1, blk.shape[-1] + 1)).sum(-1), np.abs(blk).sum(-1))
+        for a, e in zip((got.sums[..., b, 0], got.sums[..., b, 1], got.abs_sums[..., b]), exact, strict=True):
+            np.testing.assert_allclose(np.asarray(a), e, rtol=0, atol=1e-6 * np.abs(e).max())
+    assert got.sums.shape == ref.sums.shape and got.abs_sums.shape == ref.abs_sums.shape
+    if dtype == jnp.float32:
+        assert all(np.array_equal(a, b) for a, b in zip(got, ref, strict=True))
+    wide = jnp.ones((600, 8), dtype)  # 300-row blocks: the reduction
+    assert np.array_equal(
+        encode_transposed_gemm(wide, 300).sums, ops.abft_encode_reference(wide, 300, True).sums
+    )
+
+
 def _native_encode_matches_the_reference(transposed, dtype, shape, block_n):
     w = (jax.random.normal(jax.random.key(3), shape, jnp.float32) * 3).astype(dtype)
     got = ops.abft_encode(w, block_n, transposed=transposed, impl="native")

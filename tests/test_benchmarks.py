@@ -284,3 +284,14 @@ def test_finish_suite_times_every_product_of_a_layer_and_adds_up_the_step(monkey
     monkeypatch.setattr(finish.ops, "abft_checks", lambda x, e: (lambda c, m: (c + 1.0, m))(*real(x, e)))
     with pytest.raises(AssertionError, match="clean blocks flagged"):
         finish.run(m=64, gemms=gemms[:1], dtype=jnp.float32)
+
+
+def test_matmul_parts_times_every_stage_after_checking_the_two_transposed_encodes_agree():
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+
+    (row,) = matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
+    stages = ("plain", "encode", "encode_transposed", "encode_transposed_gemm", "checks", "protected")
+    assert all(row[f"{s}_ms"] > 0 for s in stages)
+    assert row["ratio"] == pytest.approx(row["plain_ms"] / row["protected_ms"])

@@ -95,6 +95,38 @@ def abft_encode_reference(
     return WeightChecksums(jnp.stack([s1, s2], axis=-1), sa)
 
 
+def encode_transposed_gemm(w: Float[Array, "*g n k"], block_n: int | None = None) -> WeightChecksums:
+    """``abft_encode_reference(w, block_n, transposed=True)`` as two GEMMs against a block matrix.
+
+    The transposed sums reduce w's rows in blocks: s1[b] = Σ_t w[b·bn + t], s2[b] = Σ_t (t+1)
+    w[b·bn + t], sa[b] = Σ_t |w[b·bn + t]|. That is E @ w with E (2·nb, N) holding 1 and t + 1 on
+    block b's columns, and E₁ @ |w| with E₁ its ones: skinny GEMMs that read w at the GEMM's
+    bandwidth, where XLA's reductions over w's non-minor axis reached ~500 GB/s on an H200 (bf16,
+    128-row blocks). Exact where the reduction is: the weights t + 1 <= 256 are exact in bf16 and
+    f16, so every product is exact in the f32 accumulator; only the order of the f32 additions
+    differs. For bf16/f16 w and blocks of at most 256 rows; anything else takes the reduction.
+    Not the default anywhere yet: ``python -m benchmarks.run --suite matmul-parts`` times the two.
+    """
+    n = w.shape[-2]
+    bn, nb = _blocks(n, block_n)
+    if w.dtype not in (jnp.bfloat16, jnp.float16) or bn > 256 or nb == 0:
+        return abft_encode_reference(w, block_n, transposed=True)
+    row = lax.broadcasted_iota(jnp.int32, (nb, n), 1)
+    blk = lax.broadcasted_iota(jnp.int32, (nb, n), 0)
+    inside = row // bn == blk
+    ones = inside.astype(w.dtype)
+    pos = jnp.where(inside, row % bn + 1, 0).astype(w.dtype)
+    e = jnp.concatenate([ones, pos], axis=0)  # (2 nb, N)
+
+    def blocks(m, v):  # (P, N) @ (*g, N, K) -> (*g, K, P), f32
+        return jnp.einsum("pn,...nk->...kp", m, v, preferred_element_type=jnp.float32)
+
+    s12 = blocks(e, w)
+    sa = blocks(ones, jnp.abs(w))
+    sums = jnp.stack([s12[..., :nb], s12[..., nb:]], axis=-1)
+    return WeightChecksums(sums, sa)
+
+
 def _materialised(sums):
     """The encode's block sums, written out before they are stacked or transposed (small arrays).
 
