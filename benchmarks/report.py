@@ -111,6 +111,14 @@ protection, so their difference is what protection costs and where. Those files 
 (its initialisation and final repair and evaluation included); the tool now traces runs of 1 and
 1 + N steps and divides their difference by N, cancelling that one-off work. An `hlo_op` column names
 the operation a kernel's HLO instruction came from, read from an XLA dump of the same step program.
+
+Reading the finish table: `python -m benchmarks.run --suite finish` times `abft_finish` alone (in
+place, carried through a jitted loop as the training step runs it) at every product a Llama-3-8B
+layer's protected GEMMs check: the forward's y (M x N), the backward's dx (M x K) and dw (K x N,
+inner dimension M). `xla_read` is XLA summing the same bytes in the same run, so `vs_xla_read` = 1
+means the finish reads y as fast as XLA's reduction does. The last row adds the products up as a
+step of `--layers` layers runs them (each once per layer), for comparison with the profile's
+`AbftRowKernel` total per step.
 """
 
 
