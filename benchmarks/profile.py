@@ -6,6 +6,7 @@ python -m benchmarks.profile --layers 2 --protect --fused  # the same with Fault
 python -m benchmarks.profile --layers 2 --flash on         # unprotected, cuDNN's flash attention
 python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms   # train's options
 python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect   # a CPU smoke run
+python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms --hlo-dump  # + ops
 
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
@@ -15,7 +16,10 @@ per step with each entry's share, then the time per step the device sat idle bet
 last kernel, with the largest gaps named by the kernels on either side (where the device waits for
 the host: a branch's predicate, a launch; gaps of 50 ms or more are host phases, apart), then the
 host's events per step (the runtime's spans, the CUDA calls: where the host's time goes when the
-device waits on it), and writes them as JSON next to the traces (``--out``). On a CPU
+device waits on it), and writes them as JSON next to the traces (``--out``). ``--hlo-dump`` has XLA
+dump the optimised programs and names, for each kernel, the op it came from (a fusion's kernel is
+named after its HLO instruction, whose metadata holds the JAX scope: inside XLA's command buffers
+the trace's own scopes name only the buffer), with a table of all kernels grouped by op. On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
 and Python frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -27,11 +31,14 @@ import collections
 import functools
 import gzip
 import json
+import os
 import pathlib
+import re
 import tempfile
 import typing
 
 import jax
+from jax._src import xla_bridge
 
 from models.llama3 import REMAT_POLICIES
 from train.llama3 import TrainConfig, train
@@ -165,14 +172,90 @@ def _minus(a: collections.Counter, b: collections.Counter) -> collections.Counte
     return collections.Counter({k: a[k] - b.get(k, 0) for k in a.keys() | b.keys()})
 
 
+_INST = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b(fusion|custom-call)\(")
+_TRANSFORMS = re.compile(r"^(?:jvp|transpose|vmap|remat|checkpoint|custom_vjp_call|shard_map)\((.*)\)$")
+_FRAMES = ("while", "body", "cond", "branch_0_fun", "branch_1_fun", "rematted_computation", "checkpoint")
+
+
+def _op_path(op_name: str) -> str:
+    """An HLO op's ``op_name`` metadata as the named scopes (layers, pimlayers ops) and the primitive:
+    jax's transformations unwrapped (``transpose(jvp(pimlayers.protected_matmul))`` ->
+    ``pimlayers.protected_matmul``), ``jit(...)`` and loop frames dropped, e.g.
+    ``pimlayers.flax.nnx.LlamaMLP.up/pimlayers.protected_matmul/pimlayers.abft_finish/ffi_call``."""
+    parts = []
+    for p in op_name.split(";")[0].split("/"):  # a fusion of several ops lists each: the first
+        while (m := _TRANSFORMS.match(p)) is not None:
+            p = m.group(1)
+        if p and not p.startswith(("jit(", "pjit(")) and p not in _FRAMES:
+            parts.append(p)
+    return "/".join(parts) or op_name
+
+
+def hlo_sources(texts: typing.Iterable[str]) -> dict[str, str]:
+    """Kernel name -> the op path (``_op_path``) of the fusion or custom call it ran, from optimised
+    HLO text (XLA's ``*after_optimizations.txt`` dumps, or ``compiled.as_text()``). XLA names a
+    fusion's GPU kernel after its instruction with "." turned into "_" (``loop_add_fusion.4`` ->
+    ``loop_add_fusion_4``); CPU traces use the instruction name itself: both are keys. A pimlayers
+    custom call's path ends in its target. Library kernels (cuBLAS, cuDNN, Mosaic) keep names no
+    instruction has, and stay unattributed. Where programs share an instruction name, the last text
+    given wins."""
+    src: dict[str, str] = {}
+    for text in texts:
+        for line in text.splitlines():
+            m = _INST.match(line)
+            meta = m and re.search(r'op_name="([^"]*)"', line)
+            if not meta:
+                continue
+            path = _op_path(meta.group(1))
+            target = re.search(r'custom_call_target="(pimlayers_\w+)"', line)
+            if target:
+                path = f"{path.rsplit('/', 1)[0]}/{target.group(1)}"
+            src[m.group(1)] = src[m.group(1).replace(".", "_")] = path
+    return src
+
+
+def _group(path: str) -> str:
+    """The part of an op path a table groups by: from the innermost pimlayers op on (its primitive or
+    custom call), or else the last two parts, so every layer's instance of an op adds up to one row.
+    The front ends' layer scopes (``pimlayers.flax...``) are not ops."""
+    parts = path.split("/")
+    ops = [
+        i
+        for i, p in enumerate(parts)
+        if p.startswith("pimlayers.") and not p.startswith(("pimlayers.flax", "pimlayers.equinox"))
+    ]
+    return "/".join(parts[ops[-1] :]) if ops else "/".join(parts[-2:])
+
+
+def _family(kernel: str) -> str:
+    """A library kernel's row in the sources table (no HLO instruction carries its name)."""
+    for prefix, family in (
+        ("nvjet", "cuBLAS"),
+        ("cutlass", "cuBLAS"),
+        ("sm90_xmma", "cuBLAS"),
+        ("cudnn", "cuDNN"),
+    ):
+        if kernel.startswith(prefix):
+            return f"({family} kernels)"
+    if "mosaic" in kernel:
+        return "(Mosaic GPU kernels: the verified flash attention)"
+    return f"({kernel.split('(')[0].split('<')[0][:60]})"
+
+
 def summarize(
-    trace_dir: pathlib.Path, top: int = 25, base_dir: pathlib.Path | None = None, steps: int = 1
+    trace_dir: pathlib.Path,
+    top: int = 25,
+    base_dir: pathlib.Path | None = None,
+    steps: int = 1,
+    sources: dict[str, str] | None = None,
 ) -> dict:
     """Sum the trace's device kernels (or, with no device timeline, the host's XLA ops), less those
     of ``base_dir`` (a trace of the same run with ``steps`` fewer steps) when given, divided by
     ``steps``: ms per step. A name whose difference is not positive is left out of the tables (its
     time is the same in both runs, to noise), not out of the total. On a device timeline also its idle
-    time (``idle_ms``) and the ``gaps`` that make it, largest first (ms and count per step)."""
+    time (``idle_ms``) and the ``gaps`` that make it, largest first (ms and count per step). With
+    ``sources`` (``hlo_sources``), each kernel row names the op it came from and a ``sources`` table
+    adds up every kernel, not only the top ones, by op (``_group``)."""
     timeline, names, scopes = _sums(trace_dir)
     if base_dir is not None:
         _, names0, scopes0 = _sums(base_dir)
@@ -185,6 +268,13 @@ def summarize(
 
     out = dict(timeline=timeline, steps=steps, total_ms=total / 1e3)
     out.update(kernels=table(names), scopes=table(scopes))
+    if sources is not None:
+        for r in out["kernels"]:
+            r["source"] = sources.get(r["name"], "")
+        by_op: collections.Counter = collections.Counter()
+        for name, us in names.items():
+            by_op[_group(sources[name]) if name in sources else _family(name)] += us
+        out["sources"] = table(by_op)
     if timeline == "device":
         idle, (host, calls) = _idle(trace_dir), _host(trace_dir)
         if base_dir is not None:
@@ -237,8 +327,20 @@ def main() -> None:
         "--out", default="", help="folder for the trace and summary.json (default: a temporary one)"
     )
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--hlo-dump",
+        action="store_true",
+        help="have XLA dump the optimised HLO (under --out/hlo) and name the op behind each kernel",
+    )
     args = ap.parse_args()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
+    dump = out / "hlo"
+    if args.hlo_dump:  # read when the backends start, which the first jax.devices() below does
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError(
+                "benchmarks.profile --hlo-dump: the XLA backends started before the flag was set"
+            )
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     n = len(jax.devices())
     cfg = dict(
         config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,
@@ -255,16 +357,28 @@ def main() -> None:
     for name, steps in (("base", 1), ("trace", 1 + args.steps)):
         with jax.profiler.trace(str(out / name), create_perfetto_trace=True, profiler_options=opts):
             train(TrainConfig(steps=steps, out_dir=str(out / f"run-{name}"), **cfg))
-    s = summarize(out / "trace", args.top, base_dir=out / "base", steps=args.steps)
+    sources = None
+    if args.hlo_dump:
+        # Instruction names repeat across programs (every module has its fusion.1): the largest
+        # program, the training step, is read last and wins.
+        texts = sorted((f.read_text() for f in dump.glob("*after_optimizations.txt")), key=len)
+        if not texts:
+            raise RuntimeError(f"benchmarks.profile --hlo-dump: XLA wrote no optimised HLO under {dump}")
+        sources = hlo_sources(texts)
+    s = summarize(out / "trace", args.top, base_dir=out / "base", steps=args.steps, sources=sources)
     s.update(command=f"python -m benchmarks.profile {' '.join(f'--{k} {v}' for k, v in vars(args).items())}")
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     print(
         f"{s['timeline']} time per step: {s['total_ms']:.1f} ms (runs of 1 and {1 + args.steps} steps; {out})"
     )
-    for title, rows in (("kernels", s["kernels"]), ("scopes", s["scopes"])):
-        print(f"\n{title} (ms per step):")
-        for r in rows:
-            print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}")
+    for title in ("kernels", "scopes", "sources"):
+        if title == "sources" and "sources" not in s:
+            continue
+        what = ", every kernel by the op it came from" if title == "sources" else ""
+        print(f"\n{title} (ms per step{what}):")
+        for r in s[title]:
+            src = f"  <- {r['source'][-70:]}" if r.get("source") else ""
+            print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}{src}")
     if "idle_ms" in s and not s["idle_measured"]:
         print(
             f"\ndevice idle: not measured (the two runs' one-off gaps differ by more than the steps' idle: "

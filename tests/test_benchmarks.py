@@ -103,6 +103,45 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     assert any(n.startswith(("custom-call", "ffi_call")) for n in names), names  # abft_finish ran
     assert abs(sum(r["share"] for r in s["kernels"]) - 1.0) < 1e-6 or len(names) == 50
 
+    # With the program's optimised HLO, each op names where it came from, and the sources table
+    # adds every op up by the pimlayers op it belongs to (the checks' native calls by target).
+    sources = profile.hlo_sources([f.lower(x, w).compile().as_text()])
+    s = profile.summarize(tmp_path, top=50, sources=sources)
+    by_source = {r["name"]: r["ms"] for r in s["sources"]}
+    for op in ("pimlayers.abft_finish/pimlayers_abft_finish", "pimlayers.abft_checks/pimlayers_abft_checks"):
+        assert by_source.get(op, 0) > 0, by_source
+    finish = [r for r in s["kernels"] if r["source"].endswith("pimlayers_abft_finish")]
+    assert finish and all(r["source"].startswith("pimlayers.protected_matmul/") for r in finish)
+    assert sum(by_source.values()) == pytest.approx(s["total_ms"])
+
+
+def test_hlo_sources_names_fusions_as_the_gpu_names_their_kernels():
+    from benchmarks import profile
+
+    text = """
+ENTRY %main {
+  %p = bf16[8,16]{1,0} parameter(0)
+  %loop_add_fusion.4 = bf16[8,16]{1,0} fusion(%p), kind=kLoop, calls=%fc, metadata={op_name="OP1"}
+  ROOT %custom-call.2 = (bf16[8,16]{1,0}, s32[8,1]{1,0}) custom-call(%loop_add_fusion.4), \
+custom_call_target="pimlayers_abft_finish", metadata={op_name="OP2"}
+}
+"""
+    up = "pimlayers.flax.nnx.LlamaMLP.up"
+    text = text.replace(
+        "OP1", f"jit(step_fn)/jvp({up})/jvp(pimlayers.protected_matmul)/while/body/add;jit(f)/mul"
+    )
+    text = text.replace(
+        "OP2", f"jit(step_fn)/transpose(jvp({up}))/pimlayers.protected_matmul/pimlayers.abft_finish/ffi_call"
+    )
+    src = profile.hlo_sources([text])
+    up = f"{up}/pimlayers.protected_matmul"
+    assert src["loop_add_fusion_4"] == src["loop_add_fusion.4"] == f"{up}/add"
+    assert src["custom-call_2"] == f"{up}/pimlayers.abft_finish/pimlayers_abft_finish"
+    assert "p" not in src  # not a kernel
+    assert profile._group(src["loop_add_fusion_4"]) == "pimlayers.protected_matmul/add"
+    assert profile._group(src["custom-call.2"]) == "pimlayers.abft_finish/pimlayers_abft_finish"
+    assert profile._family("nvjet_sm90_tst_128x160") == "(cuBLAS kernels)"
+
 
 def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(monkeypatch, tmp_path):
     """The longer run's kernel times less the shorter run's, per added step: a kernel both runs spent

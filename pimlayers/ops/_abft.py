@@ -26,6 +26,7 @@ apart; it is not implemented. A smaller ``block_n`` makes two errors in one bloc
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -63,6 +64,21 @@ class WeightChecksums(NamedTuple):
 
     sums: Float[Array, "k nb 2"]  # sum_j w[:, j] and sum_j (j+1) w[:, j], per block
     abs_sums: Float[Array, "k nb"]  # sum_j |w[:, j]| per block
+
+
+def _scoped(name: str):
+    """Run the op under ``jax.named_scope(name)``: its kernels carry the name in their HLO metadata,
+    so a profile can tell the checks' encodes, dots and finishes apart (``benchmarks.profile``)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def scoped(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+
+        return scoped
+
+    return wrap
 
 
 def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
@@ -154,6 +170,7 @@ def _encode_native(w, block_n: int | None, transposed: bool) -> WeightChecksums:
     return WeightChecksums(*call(w, block_n=np.int64(bn), transposed=np.bool_(transposed)))
 
 
+@_scoped("pimlayers.abft_encode")
 def abft_encode(
     w: Float[Array, "*g k n"],
     block_n: int | None = None,
@@ -193,6 +210,7 @@ def abft_encode(
     )
 
 
+@_scoped("pimlayers.abft_checks")
 def abft_checks(
     x: Float[Array, "*m k"], enc: WeightChecksums, *, transposed: bool = False, impl: str = "auto"
 ) -> tuple[Float[Array, "*m nb 2"], Float[Array, "*m nb"]]:
@@ -405,6 +423,7 @@ def _native(y, checks, mag, k, block_n, lam, u, correct):
     return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct))
 
 
+@_scoped("pimlayers.abft_check")
 def abft_check(
     y: Float[Array, "*m n"],
     checks: Float[Array, "*m nb 2"],
@@ -497,6 +516,7 @@ def _finish_native(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate,
     return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct), **gated)
 
 
+@_scoped("pimlayers.abft_finish")
 def abft_finish(
     y: Float[Array, "*m n"],
     checks: Float[Array, "*m nb 2"],
