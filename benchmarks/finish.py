@@ -19,22 +19,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from models.llama3 import LlamaConfig, get_config
 from pimlayers import ops
 
 from ._harness import carried_time
 
-__all__ = ["LLAMA3_8B_GEMMS", "products", "run"]
+__all__ = ["LLAMA3_8B_GEMMS", "layer_gemms", "products", "run"]
 
-# (name, K, N) of one decoder layer's linear layers at Llama-3-8B dimensions.
-LLAMA3_8B_GEMMS = (
-    ("q", 4096, 4096),
-    ("k", 4096, 1024),
-    ("v", 4096, 1024),
-    ("o", 4096, 4096),
-    ("gate", 4096, 14336),
-    ("up", 4096, 14336),
-    ("down", 14336, 4096),
-)
+
+def layer_gemms(cfg: LlamaConfig) -> tuple[tuple[str, int, int], ...]:
+    """(name, K, N) of one decoder layer's linear layers."""
+    d, kv, f = cfg.dim, cfg.n_kv_heads * cfg.hd, cfg.ffn_dim
+    return (
+        ("q", d, d),
+        ("k", d, kv),
+        ("v", d, kv),
+        ("o", d, d),
+        ("gate", d, f),
+        ("up", d, f),
+        ("down", f, d),
+    )
+
+
+LLAMA3_8B_GEMMS = layer_gemms(get_config("llama3_8b"))
 
 
 def products(m: int, gemms=LLAMA3_8B_GEMMS) -> list[tuple[str, int, int, int]]:
