@@ -280,6 +280,27 @@ def test_transposed_encode_as_gemms_equals_the_exact_sums(dtype, shape, block_n)
     )
 
 
+def test_auto_transposed_encode_without_a_native_one_is_the_gemm_encode(monkeypatch):
+    # Where no native encode runs (the GPU), impl="auto" takes a transposed bf16 w's sums as GEMMs;
+    # impl="reference" keeps the reduction, and the plain encode is unchanged.
+    from pimlayers.ops import _dispatch
+
+    monkeypatch.setattr(_dispatch, "has_native", lambda platform: False)
+    w = jax.random.normal(jax.random.key(5), (256, 96), jnp.float32).astype(jnp.bfloat16)
+
+    def prims(**kw):
+        fn = lambda v: ops.abft_encode(v, 128, **kw)
+        return {str(e.primitive) for e in jax.make_jaxpr(fn)(w).jaxpr.eqns}, jax.jit(fn)(w)
+
+    gemm, got = prims(transposed=True)
+    ref_prims, ref = prims(transposed=True, impl="reference")
+    plain, _ = prims()
+    assert "dot_general" in gemm and "reduce_sum" not in gemm
+    assert "dot_general" not in ref_prims and "dot_general" not in plain
+    for a, b in zip(got, ref, strict=True):  # the same sums in another f32 addition order
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * np.abs(b).max())
+
+
 def _native_encode_matches_the_reference(transposed, dtype, shape, block_n):
     w = (jax.random.normal(jax.random.key(3), shape, jnp.float32) * 3).astype(dtype)
     got = ops.abft_encode(w, block_n, transposed=transposed, impl="native")
