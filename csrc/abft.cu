@@ -120,6 +120,16 @@ constexpr int kRowThreads = 256;
 constexpr int kWarps = kRowThreads / 32;
 constexpr int kGroup = 8;                     // lanes per 128-column tile
 constexpr int64_t kRowGroupValues = 1 << 16;  // values a CTA takes at once (whole rows)
+// The row kernel's occupancy and loads in flight. Its launch bound caps the registers at 64, so
+// four CTAs (1024 threads) fit on an SM; each lane keeps kRowLaneBytes of y in flight before
+// summing. Unbounded, the kernel held 128 registers, two CTAs fit, and on an H200 the in-place bf16
+// finish read y at 0.49x the speed of an XLA reduction over the same bytes. Side by side in one run
+// (`python -m benchmarks.run --suite finish --layers 4`, 2026-12-02; the 84 products of a 4-layer
+// step): 8.45-8.80 ms unbounded, 6.43 at 4 CTAs x 64 bytes (0.62x XLA's read), 7.27 at 2 x 128,
+// 7.76-7.85 at 3 x 128. The rare paths (f64 sums, decisions, corrections) run out of line and
+// may spill; the streaming loop keeps its raw loads in registers.
+constexpr int kRowMinBlocks = 4;
+constexpr int kRowLaneBytes = 64;
 
 template <typename T>
 __device__ __forceinline__ T GroupSum(T v) {
@@ -131,178 +141,210 @@ __device__ __forceinline__ int GroupMax(int v) {
   return v;
 }
 
-// 16 consecutive values of y from element i0 (a multiple of 16), as f32: four 16-byte loads of
-// f32 or two of bf16/f16 (a warp's 32 lanes read 2 KB or 1 KB contiguously).
-__device__ __forceinline__ void Load16(const void* y, int64_t i0, FloatKind k, float e[16]) {
-  if (k == FloatKind::kF32) {
-    const float4* v = reinterpret_cast<const float4*>(static_cast<const float*>(y) + i0);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float4 x = __ldcs(v + q);
-      e[4 * q] = x.x;
-      e[4 * q + 1] = x.y;
-      e[4 * q + 2] = x.z;
-      e[4 * q + 3] = x.w;
-    }
-    return;
-  }
-  const uint4* v = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(y) + i0);
-  const bool bf = k == FloatKind::kBF16;
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const uint4 x = __ldcs(v + q);
-    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint16_t lo = static_cast<uint16_t>(w[t] & 0xffffu);
-      const uint16_t hi = static_cast<uint16_t>(w[t] >> 16);
-      e[8 * q + 2 * t] = bf ? Bf16ToF32(lo) : F16ToF32(lo);
-      e[8 * q + 2 * t + 1] = bf ? Bf16ToF32(hi) : F16ToF32(hi);
-    }
-  }
-}
-
-// One 128-column tile's sums, kept in shared memory until its block is decided. s2 weighs value t
-// of the tile by t (0-based).
-struct TileSums {
-  double s1, s2, sa;
-  int nonfinite, loc, dropped;  // loc: last non-finite column in the tile, -1 if none
+// 16 consecutive values of y as loaded: kBytes 16-byte words (f32: 4, bf16/f16: 2), streamed
+// (`__ldcs`: read once). A warp's 32 lanes read 2 KB (f32) or 1 KB contiguously.
+template <int kBytes>
+struct Raw16 {
+  uint4 q[kBytes];
 };
 
-// A lane's 16 values: sums with weights t0 .. t0 + 15. The fast path is 4 f32 operations per value
-// (16 terms in f32 sit well inside the bound's sqrt(n) term); it returns false. A lane that holds
-// a non-finite value, a value past the gate's limit, sums that overflow f32 (an exponent flip makes
-// a value ~2^128), or writes a cast copy (`careful`) redoes its 16 in f64, non-finite values left
-// out and located, and returns true.
-__device__ __forceinline__ bool SumLane(const float e[16], int t0, bool careful, const AbftIo& io,
-                                        const GateSpec& g, int64_t i0, double* s1, double* s2,
-                                        double* sa, int* nf, int* loc, int* dropped) {
-  float a1 = 0, a2 = 0, aa = 0, mx = 0;
+template <int kBytes>
+__device__ __forceinline__ Raw16<kBytes> LoadRaw16(const void* y, int64_t i0) {
+  const uint4* v = reinterpret_cast<const uint4*>(static_cast<const char*>(y) + i0 * kBytes);
+  Raw16<kBytes> r;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    a1 += e[i];
-    a2 = fmaf(static_cast<float>(i), e[i], a2);
-    aa += fabsf(e[i]);
-    mx = fmaxf(mx, fabsf(e[i]));
-  }
-  const float limit = g.on ? g.limit : INFINITY;
-  if (!careful && IsFiniteF(a1) && IsFiniteF(a2) && IsFiniteF(aa) && mx <= limit) {
-    *s1 = a1;
-    *s2 = static_cast<double>(fmaf(static_cast<float>(t0), a1, a2));
-    *sa = aa;
-    return false;
-  }
-  double d1 = 0, d2 = 0, da = 0;
+  for (int t = 0; t < kBytes; ++t) r.q[t] = __ldcs(v + t);
+  return r;
+}
+
+// Value i (0..15, a compile-time index after unrolling) of a Raw16, as f32.
+template <int kBytes>
+__device__ __forceinline__ float RawValue(const Raw16<kBytes>& r, int i, bool bf) {
+  auto word = [](const uint4& q, int c) {
+    return c == 0 ? q.x : c == 1 ? q.y : c == 2 ? q.z : q.w;
+  };
+  if (kBytes == 4) return __uint_as_float(word(r.q[i / 4], i % 4));
+  const uint32_t w = word(r.q[i / 8], (i / 2) % 4);
+  const uint16_t h = static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffffu);
+  return bf ? Bf16ToF32(h) : F16ToF32(h);
+}
+
+// A lane's sums over its 16 values; once its 8-lane group adds them, one 128-column tile's, kept in
+// shared memory until its block is decided. s2 weighs value t of the tile by t (0-based).
+struct LaneSums {
+  double s1, s2, sa;
+  int nonfinite, loc, dropped;  // loc: last non-finite column, -1 if none
+};
+
+// A lane's 16 values `e` (weights t0 .. t0 + 15) the careful way: in f64, non-finite values left
+// out and located, each value gated as stored; with `out`, the gated, cast values are written to it
+// from element i0 (the out-of-place finish).
+__device__ __forceinline__ LaneSums CarefulSums(const float e[16], int t0, void* out,
+                                                FloatKind out_kind, GateSpec g, int64_t i0) {
+  LaneSums r{0, 0, 0, 0, -1, 0};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     float o[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       const int i = 4 * q + t;
-      o[t] = GateCast(e[i], io.out_kind, g, dropped);
+      o[t] = GateCast(e[i], out_kind, g, &r.dropped);
       if (!IsFiniteF(e[i])) {
-        ++*nf;
-        *loc = max(*loc, t0 + i);
+        ++r.nonfinite;
+        r.loc = max(r.loc, t0 + i);
         continue;
       }
-      d1 += e[i];
-      d2 += static_cast<double>(t0 + i) * e[i];
-      da += fabs(static_cast<double>(e[i]));
+      r.s1 += e[i];
+      r.s2 += static_cast<double>(t0 + i) * e[i];
+      r.sa += fabs(static_cast<double>(e[i]));
     }
-    if (careful) StoreCast4(io.out, i0 + 4 * q, make_float4(o[0], o[1], o[2], o[3]), io.out_kind);
+    if (out != nullptr) StoreCast4(out, i0 + 4 * q, make_float4(o[0], o[1], o[2], o[3]), out_kind);
   }
-  *s1 = d1;
-  *s2 = d2;
-  *sa = da;
-  return true;
+  return r;
+}
+
+// The in-place finish's rare lane (a non-finite value, one past the gate's limit, or f32 sums that
+// overflowed: an exponent flip makes a value ~2^128): its 16 values read again, out of line and
+// with everything passed by value, so the streaming loop's registers stay registers.
+__device__ __noinline__ LaneSums CarefulReload(const void* y, FloatKind in_kind, FloatKind out_kind,
+                                               GateSpec g, int64_t i0, int t0) {
+  float e[16];
+  for (int i = 0; i < 16; ++i) e[i] = LoadF(y, i0 + i, in_kind);
+  return CarefulSums(e, t0, nullptr, out_kind, g, i0);
+}
+
+// A lane's 16 values: sums with weights t0 .. t0 + 15, and whether they took the careful path. The
+// fast path is 4 f32 operations per value (16 terms in f32 sit well inside the bound's sqrt(n)
+// term). A lane that holds a non-finite value, a value past the gate's limit or sums that overflow
+// f32, or that writes a cast copy (kWriteAll), takes the careful f64 sums.
+template <int kBytes, bool kWriteAll>
+__device__ __forceinline__ LaneSums SumLane(const Raw16<kBytes>& r, int t0, const AbftIo& io,
+                                            const GateSpec& g, int64_t i0, bool* slow) {
+  const bool bf = io.in_kind == FloatKind::kBF16;
+  *slow = true;
+  if (kWriteAll) {
+    float e[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) e[i] = RawValue(r, i, bf);
+    return CarefulSums(e, t0, io.out, io.out_kind, g, i0);
+  }
+  float a1 = 0, a2 = 0, aa = 0, mx = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float v = RawValue(r, i, bf);
+    a1 += v;
+    a2 = fmaf(static_cast<float>(i), v, a2);
+    aa += fabsf(v);
+    mx = fmaxf(mx, fabsf(v));
+  }
+  const float limit = g.on ? g.limit : INFINITY;
+  if (IsFiniteF(a1) && IsFiniteF(a2) && IsFiniteF(aa) && mx <= limit) {
+    *slow = false;
+    return LaneSums{a1, static_cast<double>(fmaf(static_cast<float>(t0), a1, a2)), aa, 0, -1, 0};
+  }
+  return CarefulReload(io.y, io.in_kind, io.out_kind, g, i0, t0);
+}
+
+// One column block of the row kernel, by one thread: its tiles added in f64, decided, corrected and
+// (in place) gated; writes the block's flag and gate count. Out of line: f64 decisions hold many
+// registers, once per 128 or more values.
+__device__ __noinline__ void DecideBlock(const AbftIo& io, const AbftParams& p, const GateSpec& g,
+                                         bool write_all, const LaneSums* t, int64_t r, int64_t b) {
+  const int64_t j0 = r * io.n_all + b * io.block_n;
+  const int64_t n = io.n_all - b * io.block_n < io.block_n ? io.n_all - b * io.block_n : io.block_n;
+  double s1 = 0, s2 = 0, sa = 0;
+  int nf = 0, loc = -1, dropped = 0;
+  for (int64_t q = 0; q < n / 128; ++q) {
+    s1 += t[q].s1;
+    s2 += t[q].s2 + static_cast<double>(128 * q + 1) * t[q].s1;  // weights j + 1 in the block
+    sa += t[q].sa;
+    nf += t[q].nonfinite;
+    if (t[q].loc >= 0) loc = static_cast<int>(128 * q) + t[q].loc;
+    dropped += t[q].dropped;
+  }
+  const int64_t cb = r * io.nb + b;
+  const float c1 = io.checks[2 * cb];
+  AbftDecision d = AbftDecide(s1, s2, sa, nf, loc, c1, io.checks[2 * cb + 1], io.mag[cb], n, p,
+                              [&](int64_t j) { return LoadF(io.y, j0 + j, io.in_kind); });
+  if (d.flag == kAbftCorrected) {
+    dropped += CorrectOne(io, j0, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p, g, write_all,
+                          &d.flag);
+  }
+  if (!write_all && g.on && (dropped > 0 || d.flag == kAbftCorrected)) {
+    dropped = GateBlock(io, j0, n, g, 0, 1);  // rare: one thread, one block
+  }
+  io.flags[cb] = d.flag;
+  if (io.counts != nullptr) io.counts[cb] = dropped;
 }
 
 // The row kernel. A CTA takes a group of whole rows (~64K values: 4 rows of 14336, 64 of 1024),
 // so its fixed costs (clearing, two barriers, the decisions) are paid once per group and each warp
-// has ~16 loads of 512 values to keep in flight; a warp issues two chunks' loads before summing
-// either. Each 8-lane group sums one 128-column tile (tiles never straddle a row or a column
-// block: both are multiples of 128) into shared memory without atomics; then one thread per
-// column block adds its tiles in f64, decides, corrects and (in place) gates.
-__global__ void __launch_bounds__(kRowThreads)
-    AbftRowKernel(AbftIo io, AbftParams p, GateSpec g, bool write_all, int64_t rows_per_cta) {
-  extern __shared__ TileSums tiles[];
+// has ~16 loads of 512 values to keep in flight; a warp issues kChunks chunks' loads (kRowLaneBytes
+// per lane) before summing any. Each 8-lane group sums one 128-column tile (tiles never straddle a
+// row or a column block: both are multiples of 128) into shared memory without atomics; then one
+// thread per column block adds its tiles in f64, decides, corrects and (in place) gates.
+// kBytes: bytes per value of y (4: f32, 2: bf16/f16); kWriteAll: the out-of-place finish.
+template <int kBytes, bool kWriteAll>
+__global__ void __launch_bounds__(kRowThreads, kRowMinBlocks)
+    AbftRowKernel(AbftIo io, AbftParams p, GateSpec g, int64_t rows_per_cta) {
+  constexpr int kChunks = kRowLaneBytes / (16 * kBytes);  // f32: 1, bf16/f16: 2
+  static_assert(kChunks >= 1, "a lane loads at least one chunk of 16 values");
+  extern __shared__ LaneSums tiles[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, glane = lane % kGroup;
   const int64_t tiles_per_row = io.n_all / 128, nb = io.nb;
-  const size_t in_size = io.in_kind == FloatKind::kF32 ? 4 : 2;
   for (int64_t r0 = blockIdx.x * rows_per_cta; r0 < io.rows;
        r0 += static_cast<int64_t>(gridDim.x) * rows_per_cta) {
     const int64_t nrows = io.rows - r0 < rows_per_cta ? io.rows - r0 : rows_per_cta;
     const int64_t values = nrows * io.n_all, base = r0 * io.n_all;
     const int64_t chunks = (values + 511) / 512;
-    const void* y = static_cast<const char*>(io.y) + base * in_size;
-    for (int64_t c = warp; c < chunks; c += 2 * kWarps) {
-      float e[2][16];
-      bool live[2];
+    const void* y = static_cast<const char*>(io.y) + base * kBytes;
+    for (int64_t c = warp; c < chunks; c += kChunks * kWarps) {
+      Raw16<kBytes> raw[kChunks];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kChunks; ++u) {
         const int64_t i0 = (c + u * kWarps) * 512 + lane * 16;
-        live[u] = c + u * kWarps < chunks && i0 < values;  // tail: whole tiles (values % 128 == 0)
-        if (live[u]) Load16(y, i0, io.in_kind, e[u]);
+        // tail: whole tiles (values % 128 == 0), so a lane's 16 values are all in or all out
+        if (c + u * kWarps < chunks && i0 < values) raw[u] = LoadRaw16<kBytes>(y, i0);
       }
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kChunks; ++u) {
         if (c + u * kWarps >= chunks) break;  // warp-uniform
         const int64_t i0 = (c + u * kWarps) * 512 + lane * 16;
-        double s1 = 0, s2 = 0, sa = 0;
-        int nf = 0, loc = -1, dropped = 0;
+        const bool live = i0 < values;
+        LaneSums t{0, 0, 0, 0, -1, 0};
         bool slow = false;
-        if (live[u]) {
-          slow = SumLane(e[u], glane * 16, write_all, io, g, base + i0, &s1, &s2, &sa, &nf, &loc,
-                         &dropped);
-        }
+        if (live) t = SumLane<kBytes, kWriteAll>(raw[u], glane * 16, io, g, base + i0, &slow);
         if (__any_sync(0xffffffffu, slow)) {  // rare (or a cast copy): f64 and the counts
-          s1 = GroupSum(s1);
-          s2 = GroupSum(s2);
-          sa = GroupSum(sa);
-          nf = GroupSum(nf);
-          loc = GroupMax(loc);
-          dropped = GroupSum(dropped);
+          t.s1 = GroupSum(t.s1);
+          t.s2 = GroupSum(t.s2);
+          t.sa = GroupSum(t.sa);
+          t.nonfinite = GroupSum(t.nonfinite);
+          t.loc = GroupMax(t.loc);
+          t.dropped = GroupSum(t.dropped);
         } else {  // 128 clean values: f32 shuffles (half a double's)
-          s1 = GroupSum(static_cast<float>(s1));
-          s2 = GroupSum(static_cast<float>(s2));
-          sa = GroupSum(static_cast<float>(sa));
+          t.s1 = GroupSum(static_cast<float>(t.s1));
+          t.s2 = GroupSum(static_cast<float>(t.s2));
+          t.sa = GroupSum(static_cast<float>(t.sa));
         }
-        if (live[u] && glane == 0) tiles[i0 / 128] = TileSums{s1, s2, sa, nf, loc, dropped};
+        if (live && glane == 0) tiles[i0 / 128] = t;
       }
     }
     __syncthreads();
     for (int64_t bb = threadIdx.x; bb < nrows * nb; bb += kRowThreads) {
-      const int64_t rl = bb / nb, b = bb % nb, r = r0 + rl;
-      const int64_t j0 = r * io.n_all + b * io.block_n;
-      const int64_t n =
-          io.n_all - b * io.block_n < io.block_n ? io.n_all - b * io.block_n : io.block_n;
-      const TileSums* t = tiles + rl * tiles_per_row + b * io.block_n / 128;
-      double s1 = 0, s2 = 0, sa = 0;
-      int nf = 0, loc = -1, dropped = 0;
-      for (int64_t q = 0; q < n / 128; ++q) {
-        s1 += t[q].s1;
-        s2 += t[q].s2 + static_cast<double>(128 * q + 1) * t[q].s1;  // weights j + 1 in the block
-        sa += t[q].sa;
-        nf += t[q].nonfinite;
-        if (t[q].loc >= 0) loc = static_cast<int>(128 * q) + t[q].loc;
-        dropped += t[q].dropped;
-      }
-      const int64_t cb = r * nb + b;
-      const float c1 = io.checks[2 * cb];
-      AbftDecision d = AbftDecide(s1, s2, sa, nf, loc, c1, io.checks[2 * cb + 1], io.mag[cb], n, p,
-                                  [&](int64_t j) { return LoadF(io.y, j0 + j, io.in_kind); });
-      if (d.flag == kAbftCorrected) {
-        dropped += CorrectOne(io, j0, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p, g,
-                              write_all, &d.flag);
-      }
-      if (!write_all && g.on && (dropped > 0 || d.flag == kAbftCorrected)) {
-        dropped = GateBlock(io, j0, n, g, 0, 1);  // rare: one thread, one block
-      }
-      io.flags[cb] = d.flag;
-      if (io.counts != nullptr) io.counts[cb] = dropped;
+      const int64_t rl = bb / nb, b = bb % nb;
+      DecideBlock(io, p, g, kWriteAll, tiles + rl * tiles_per_row + b * io.block_n / 128, r0 + rl,
+                  b);
     }
     __syncthreads();
   }
+}
+
+template <int kBytes, bool kWriteAll>
+void LaunchRowKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p, const GateSpec& g,
+                     int64_t rows_per_cta, size_t smem) {
+  AbftRowKernel<kBytes, kWriteAll>
+      <<<GridFor(CeilDiv(io.rows, rows_per_cta), 1), kRowThreads, smem, stream>>>(io, p, g,
+                                                                                  rows_per_cta);
 }
 
 ffi::Error RunAbftCuda(cudaStream_t stream, const AbftIo& io, const AbftParams& p,
@@ -311,14 +353,17 @@ ffi::Error RunAbftCuda(cudaStream_t stream, const AbftIo& io, const AbftParams& 
   if (io.rows * io.nb == 0) return CudaStatus("abft_check");
   const int64_t rows_per_cta = std::max<int64_t>(
       1, std::min<int64_t>(io.rows, kRowGroupValues / std::max<int64_t>(io.n_all, 1)));
-  const size_t smem = static_cast<size_t>(rows_per_cta * (io.n_all / 128)) * sizeof(TileSums);
+  const size_t smem = static_cast<size_t>(rows_per_cta * (io.n_all / 128)) * sizeof(LaneSums);
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(io.y) | reinterpret_cast<uintptr_t>(io.out)) % 16) == 0;
   const bool row_kernel =
       io.block_n % 128 == 0 && io.n_all % 128 == 0 && aligned && smem <= 48 * 1024;
   if (row_kernel) {
-    AbftRowKernel<<<GridFor(CeilDiv(io.rows, rows_per_cta), 1), kRowThreads, smem, stream>>>(
-        io, p, g, write_all, rows_per_cta);
+    const bool wide = io.in_kind == FloatKind::kF32;
+    if (wide && write_all) LaunchRowKernel<4, true>(stream, io, p, g, rows_per_cta, smem);
+    if (wide && !write_all) LaunchRowKernel<4, false>(stream, io, p, g, rows_per_cta, smem);
+    if (!wide && write_all) LaunchRowKernel<2, true>(stream, io, p, g, rows_per_cta, smem);
+    if (!wide && !write_all) LaunchRowKernel<2, false>(stream, io, p, g, rows_per_cta, smem);
   } else {
     AbftWarpKernel<<<GridFor(io.rows * io.nb, 8), 256, 0, stream>>>(io, p, g, write_all);
   }
