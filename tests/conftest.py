@@ -57,3 +57,11 @@ def pytest_collection_modifyitems(config, items):
 def cpu_mesh():
     devices = jax.devices("cpu")
     return jax.make_mesh((len(devices),), ("d",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.fixture
+def on_cpu():
+    """Run the test on the CPU device, for an op whose native handler is CPU-only (abft_checks): on a
+    machine with a GPU, JAX would otherwise place the computation there, where no handler exists."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -344,6 +344,7 @@ def test_native_encode_propagates_a_non_finite_weight_and_refuses_bad_input():
         ((0,), 16, 32, 8, False),  # no rows
     ],
 )
+@pytest.mark.usefixtures("on_cpu")
 def test_native_checks_equal_the_f64_products(dtype, lead, k, n, block_n, transposed):
     """The native abft_checks (one pass over x for c and mag) against f64 products, for ragged K,
     any number of column blocks, a batch of weights, x stored transposed and half-precision x."""
@@ -371,6 +372,7 @@ def test_native_checks_equal_the_f64_products(dtype, lead, k, n, block_n, transp
     np.testing.assert_allclose(c, ref[0], rtol=1e-4, atol=1e-5 * (1 + float(np.abs(want_c).max(initial=0))))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_native_checks_under_vmap_take_a_weight_per_example():
     """vmap over x and the checksums (a weight per example): the native call runs them as groups."""
     kx, kw = jax.random.split(jax.random.key(5))
