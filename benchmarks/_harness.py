@@ -10,6 +10,7 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -150,11 +151,22 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}"
 
 
-def write_result(suite: str, rows: list[dict[str, Any]], command: str) -> pathlib.Path:
+def write_result(
+    suite: str, rows: list[dict[str, Any]], command: str, *, tag: str = "", note: str = ""
+) -> pathlib.Path:
+    """Write ``rows`` to ``benchmarks/results/<date>-<suite>[-<tag>]-<device>.json`` (replacing a file of
+    that name: a second run the same day needs its own ``tag`` to keep the first) with the date,
+    device, versions, command, the code's commit where the checkout is a git repository (``-dirty``
+    with uncommitted changes) and an optional ``note`` (shown above the table in docs/benchmarks.md).
+    """
+    if tag and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", tag):
+        raise ValueError(
+            f"benchmarks: tag={tag!r}; expected letters, digits, '.', '_' or '-' (a file name part)"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     dev = device_name().replace(":", "-").replace(" ", "_")
-    path = RESULTS / f"{now:%Y-%m-%d}-{suite}-{dev}.json"
+    path = RESULTS / f"{now:%Y-%m-%d}-{suite}{'-' + tag if tag else ''}-{dev}.json"
     payload = {
         "suite": suite,
         "date": now.isoformat(timespec="seconds"),
@@ -162,13 +174,33 @@ def write_result(suite: str, rows: list[dict[str, Any]], command: str) -> pathli
         "jax": jax.__version__,
         "python": platform.python_version(),
         "command": command,
-        "rows": rows,
     }
+    commit = code_commit()
+    if commit:
+        payload["commit"] = commit
+    if note:
+        payload["note"] = note
+    payload["rows"] = rows
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def code_commit() -> str:
+    """The checkout's commit (``git describe --always --dirty``), or "" outside a git repository."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def command_line() -> str:
     flags = os.environ.get("XLA_FLAGS", "")
     env = f"XLA_FLAGS={shlex.quote(flags.strip())} " if flags.strip() else ""
-    return env + "python -m benchmarks.run " + " ".join(sys.argv[1:])
+    return env + "python -m benchmarks.run " + shlex.join(sys.argv[1:])

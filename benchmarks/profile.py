@@ -7,6 +7,8 @@ python -m benchmarks.profile --layers 2 --flash on         # unprotected, cuDNN'
 python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms   # train's options
 python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect   # a CPU smoke run
 python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms --hlo-dump  # + ops
+python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms --hlo-dump \
+    --save 4layers --note "..."    # also results files: the kernels and (with --hlo-dump) the ops
 
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
@@ -19,7 +21,9 @@ host's events per step (the runtime's spans, the CUDA calls: where the host's ti
 device waits on it), and writes them as JSON next to the traces (``--out``). ``--hlo-dump`` has XLA
 dump the optimised programs and names, for each kernel, the op it came from (a fusion's kernel is
 named after its HLO instruction, whose metadata holds the JAX scope: inside XLA's command buffers
-the trace's own scopes name only the buffer), with a table of all kernels grouped by op. On a CPU
+the trace's own scopes name only the buffer), with a table of all kernels grouped by op. ``--save
+TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
+(``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
 and Python frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -34,6 +38,8 @@ import json
 import os
 import pathlib
 import re
+import shlex
+import sys
 import tempfile
 import typing
 
@@ -46,6 +52,8 @@ except ImportError:
 
 from models.llama3 import REMAT_POLICIES
 from train.llama3 import TrainConfig, train
+
+from ._harness import write_result
 
 
 @functools.lru_cache(maxsize=4)  # _sums and _idle read the same (large) trace
@@ -307,6 +315,25 @@ def summarize(
     return out
 
 
+def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
+    """The summary's tables as results rows, by suite: the top kernels (with the op each came from,
+    where the HLO was dumped) and, with ``--hlo-dump``, all kernels grouped by op; each led by the
+    total of all device kernels per step."""
+    total = {"ms_per_step": summary["total_ms"], "share": 1.0}
+    kernels = [{"kernel": "(all device kernels)", **total}]
+    for r in summary["kernels"]:
+        row = {"kernel": r["name"][:90], "ms_per_step": r["ms"], "share": r["share"]}
+        if "sources" in summary:
+            row["hlo_op"] = r.get("source", "")[-90:]
+        kernels.append(row)
+    tables = {"profile-protect" if protect else "profile-off": kernels}
+    if "sources" in summary:
+        tables["profile-sources"] = [{"op": "(all device kernels)", **total}] + [
+            {"op": r["name"], "ms_per_step": r["ms"], "share": r["share"]} for r in summary["sources"]
+        ]
+    return tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama3_8b")
@@ -336,6 +363,13 @@ def main() -> None:
         action="store_true",
         help="have XLA dump the optimised HLO (under --out/hlo) and name the op behind each kernel",
     )
+    ap.add_argument(
+        "--save",
+        default=None,
+        metavar="TAG",
+        help="also write the tables to benchmarks/results/<date>-profile-...-<TAG>-<device>.json",
+    )
+    ap.add_argument("--note", default="", help="with --save: a note stored with the tables")
     args = ap.parse_args()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
     dump = out / "hlo"
@@ -370,8 +404,12 @@ def main() -> None:
             raise RuntimeError(f"benchmarks.profile --hlo-dump: XLA wrote no optimised HLO under {dump}")
         sources = hlo_sources(texts)
     s = summarize(out / "trace", args.top, base_dir=out / "base", steps=args.steps, sources=sources)
-    s.update(command=f"python -m benchmarks.profile {' '.join(f'--{k} {v}' for k, v in vars(args).items())}")
+    command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
+    s.update(command=command)
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    if args.save is not None:
+        for suite, rows in result_tables(s, args.protect).items():
+            print(f"wrote {write_result(suite, rows, command, tag=args.save, note=args.note)}")
     print(
         f"{s['timeline']} time per step: {s['total_ms']:.1f} ms (runs of 1 and {1 + args.steps} steps; {out})"
     )

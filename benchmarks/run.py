@@ -16,6 +16,7 @@ python -m benchmarks.run --suite finish --layers 4       # abft_finish at every 
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
+python -m benchmarks.run --suite finish --layers 4 --tag before --note "..."   # keep a second file
 """
 
 from __future__ import annotations
@@ -86,13 +87,20 @@ def main() -> None:
     ap.add_argument(
         "--peers", choices=["all", "gemm", "attention"], default="all", help="peers: which kernels to time"
     )
+    ap.add_argument(
+        "--tag",
+        default="",
+        help="a name for the results file (<date>-<suite>-<tag>-<device>.json): keeps an earlier run's file",
+    )
+    ap.add_argument("--note", default="", help="a note stored with the results, shown above their table")
     args = ap.parse_args()
     print(f"device: {device_name()}")
+    save = dict(tag=args.tag, note=args.note)
     shapes = matmul.SHAPES if args.shapes == "llama" else matmul.SMALL_SHAPES
     dtype = jnp.dtype(args.dtype)
     if args.suite in ("ops", "all"):
         rows = ops.run(args.size_mb)
-        path = write_result("ops", rows, command_line())
+        path = write_result("ops", rows, command_line(), **save)
         for r in rows:
             extra = f"  peer {r['peer_ms']:.3f} ms  ratio {r['ratio']:.2f}x" if "peer" in r else ""
             print(f"{r['op']:<42} {r['ms']:9.3f} ms {r['gbs']:9.1f} GB/s{extra}")
@@ -128,7 +136,7 @@ def main() -> None:
                 print(f"{name}: nothing to run on {len(jax.devices())} device(s)")
                 continue
             tag = f"llama3-{rows[0]['devices']}dev" if name == "llama3" else name  # a file per device count
-            path = write_result(tag, rows, command_line())
+            path = write_result(tag, rows, command_line(), **save)
             for r in rows:
                 print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
             print(f"wrote {path}")

@@ -1,5 +1,8 @@
 """The benchmark suites' own checks run (tiny sizes): a broken campaign must not wait for the GPU."""
 
+import json
+import re
+
 import pytest
 
 from benchmarks import abft_campaign
@@ -113,6 +116,40 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     finish = [r for r in s["kernels"] if r["source"].endswith("pimlayers_abft_finish")]
     assert finish and all(r["source"].startswith("pimlayers.protected_matmul/") for r in finish)
     assert sum(by_source.values()) == pytest.approx(s["total_ms"])
+
+    # --save: the same tables as results rows, each led by the total of all kernels.
+    tables = profile.result_tables(s, protect=True)
+    assert sorted(tables) == ["profile-protect", "profile-sources"]
+    kern, ops_ = tables["profile-protect"], tables["profile-sources"]
+    assert kern[0] == {"kernel": "(all device kernels)", "ms_per_step": s["total_ms"], "share": 1.0}
+    assert [r["kernel"] for r in kern[1:]] == [r["name"][:90] for r in s["kernels"]]
+    assert any(r["hlo_op"].endswith("pimlayers_abft_finish") for r in kern[1:])
+    assert sum(r["ms_per_step"] for r in ops_[1:]) == pytest.approx(s["total_ms"])
+    s.pop("sources")
+    assert list(profile.result_tables(s, protect=False)) == ["profile-off"]
+
+
+def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
+    from benchmarks import _harness
+
+    real_commit = _harness.code_commit
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    monkeypatch.setattr(_harness, "code_commit", lambda: "abc1234-dirty")
+    rows = [{"op": "x", "ms": 1.0}]
+    plain = _harness.write_result("finish", rows, "python -m benchmarks.run --suite finish")
+    tagged = _harness.write_result("finish", rows, "cmd", tag="after-1", note="the second run")
+    assert plain != tagged and tagged.name.startswith(plain.name.split("-finish-")[0] + "-finish-after-1-")
+    data = json.loads(tagged.read_text())
+    assert list(data)[-3:] == ["commit", "note", "rows"] and data["commit"] == "abc1234-dirty"
+    assert data["note"] == "the second run" and data["rows"] == rows
+    assert "note" not in json.loads(plain.read_text())
+    for bad in ("a/b", "../x", "two words", "-lead"):
+        with pytest.raises(ValueError, match="tag="):
+            _harness.write_result("finish", rows, "cmd", tag=bad)
+    assert len(list(tmp_path.iterdir())) == 2
+    # A git checkout names its commit; a copy of the tree without .git names none.
+    want = r"[0-9a-f]{7,}(-dirty)?" if (_harness.ROOT / ".git").exists() else ""
+    assert re.fullmatch(want, real_commit())
 
 
 def test_hlo_sources_names_fusions_as_the_gpu_names_their_kernels():
