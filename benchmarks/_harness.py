@@ -186,7 +186,10 @@ def write_result(
 
 
 def code_commit() -> str:
-    """The checkout's commit (``git describe --always --dirty``), or "" outside a git repository."""
+    """The checkout's commit (``git describe --always --dirty``), or "" where the tree is not a git
+    checkout of its own (a copy of it, even inside some other repository, names no commit)."""
+    if not (ROOT / ".git").exists():
+        return ""
     try:
         out = subprocess.run(
             ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
