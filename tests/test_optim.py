@@ -59,6 +59,30 @@ def _tree_equal(a, b) -> bool:
     return all(jax.tree.leaves(same))
 
 
+def _tree_applied(a, b, maxulp: int = 4) -> bool:
+    """The wrapper's applied step against the inner optimizer's, computed in another program: same
+    structure and dtypes, values within ``maxulp`` units in the last place. Not bitwise: XLA fuses
+    the wrapper's select into the inner update's loops, and the CPU code it then emits (vectorised
+    division and square root) can round differently from the reference program's, by an ulp (seen on
+    a 2-core AMD EPYC CI machine, 2026-12-02, for rmsprop)."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+
+    def close(x, y) -> bool:
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not np.issubdtype(x.dtype, np.floating):
+            return np.array_equal(x, y)
+        try:
+            np.testing.assert_array_max_ulp(x, y, maxulp=maxulp)
+        except AssertionError:
+            return False
+        return True
+
+    return all(jax.tree.leaves(jax.tree.map(close, a, b)))
+
+
 def _counters(state: FaultAwareState) -> tuple[int, int, int, int, bool]:
     return (
         int(state.notfinite_count),
@@ -96,8 +120,8 @@ def _check_applied_steps(inner: optax.GradientTransformation) -> None:
         g = _grads(1.0 + k)
         u_ref, s_ref = ref_update(g, s_ref, params)
         u, s = wrapped_update(g, s, params, report=CLEAN)
-        assert _tree_equal(u, u_ref)
-        assert _tree_equal(s.inner_state, s_ref)
+        assert _tree_applied(u, u_ref)
+        assert _tree_applied(s.inner_state, s_ref)
         params = optax.apply_updates(params, u)
     assert _counters(s) == (0, 0, 3, SKIP_NONE, False)
 
@@ -147,7 +171,7 @@ def test_policy_can_ignore_uncorrectable_reports():
     params = _params()
     u, s = opt.update(_grads(1.0), opt.init(params), params, report=LOST)
     u_ref, _ = inner.update(_grads(1.0), inner.init(params), params)
-    assert _tree_equal(u, u_ref) and int(s.last_skip_reason) == SKIP_NONE
+    assert _tree_applied(u, u_ref) and int(s.last_skip_reason) == SKIP_NONE
     _, s = opt.update(_nan_grads(), s, params, report=LOST)
     assert int(s.last_skip_reason) == SKIP_NONFINITE  # Non-finite grads are still refused.
 
@@ -199,11 +223,11 @@ def test_jit_traces_once_while_the_skip_decision_flips():
         if applied:
             u, ref_state = jax.jit(inner.update)(g, ref_state, ref_params)
             ref_params = optax.apply_updates(ref_params, u)
-            assert _tree_equal(params, ref_params)
+            assert _tree_applied(params, ref_params)
         else:
             assert _tree_equal(params, before)
     assert traces == 1
-    assert _tree_equal(state.inner_state, ref_state)
+    assert _tree_applied(state.inner_state, ref_state)
     assert _counters(state) == (0, 3, 6, SKIP_NONE, False)
 
 
@@ -238,7 +262,7 @@ def test_vmap_over_replicas_selects_per_replica():
     state = jax.vmap(opt.init)(jax.tree.map(lambda x: jnp.stack([x, x]), params))
     u, s = jax.vmap(lambda g, st: opt.update(g, st, params))(grads, state)
     u_ref, _ = inner.update(_grads(1.0), inner.init(params), params)
-    assert _tree_equal(jax.tree.map(lambda x: x[0], u), u_ref)
+    assert _tree_applied(jax.tree.map(lambda x: x[0], u), u_ref)
     assert all(bool(jnp.all(x[1] == 0)) for x in jax.tree.leaves(u))
     np.testing.assert_array_equal(s.last_skip_reason, [SKIP_NONE, SKIP_NONFINITE])
 
