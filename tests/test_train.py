@@ -52,6 +52,10 @@ def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
     # Timed steps (each read once the next is queued): not step 0 (compiles), nor one read right
     # after another in its own iteration (4 and 9 evaluate, 11 ends the run).
     assert len(s["step_seconds"]) == len([1, 2, 3, 5, 6, 7, 8, 10])
+    # Every step scrubs (scrub_every=1): one program for all twelve, faults or not. The optimizer's
+    # first state is laid out as the step returns it (moments sharded like the parameters), else
+    # the second step recompiled.
+    assert s["step_programs"] == 1
     T.plot([s], tmp_path / "loss.png")
     assert (tmp_path / "loss.png").stat().st_size > 1000
 

@@ -249,13 +249,15 @@ def train(cfg: TrainConfig) -> dict:
         ),
         policy=FaultPolicy(),
     )
-    opt_state = jax.jit(tx.init)(params)  # the moments inherit the parameters' shardings
-    # Counters come out on one device; on the mesh (replicated) they match what the step returns, so
-    # the second step reuses the first one's compiled program.
+    # The moments are sharded like the parameters and the counters replicated on the mesh, as the
+    # step returns them: otherwise XLA chooses the initial state's layout (the moments replicated on
+    # every device) and the second step recompiles for the layout the first one returned.
     replicated = NamedSharding(mesh, P())
-    opt_state = jax.tree.map(
-        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), opt_state
+    abstract = jax.eval_shape(tx.init, params)
+    state_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract, shardings, transform_non_params=lambda _: replicated
     )
+    opt_state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     store = PimStore(params, BankGeometry(), mesh=mesh, axis="fsdp") if cfg.protect else None
     say(
         f"model: {cfg.config} ({model_cfg.n_layers} layers, dim {model_cfg.dim}), {n_params:,} parameters; "
@@ -489,6 +491,7 @@ def train(cfg: TrainConfig) -> dict:
         mfu=(flops_tok * tok_s / peak) if peak else None,
         step_seconds=step_s,
         call_seconds=call_s,
+        step_programs=step._cache_size(),  # compiled step programs: one per scrub setting used
         tokens_per_s_median=median_tok_s,
         mfu_median=(flops_tok * median_tok_s / peak) if peak else None,
         flops_per_token=flops_tok,
