@@ -36,6 +36,10 @@ def _faults(rows, b=B, h=H, t=T):
     return ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
 
 
+# Under jit, as the layers call it: eagerly each of its ops compiles on its own (several times slower).
+_reference = jax.jit(ops.flash_attention_reference, static_argnames="causal")
+
+
 def _flagged(ratios):
     return {tuple(i) for i in np.argwhere(~(np.asarray(ratios) <= 1.0)).tolist()}
 
@@ -44,7 +48,7 @@ def _flagged(ratios):
 @pytest.mark.parametrize(("h", "kv"), [(4, 2), (4, 4), (8, 1)])
 def test_reference_matches_jax_attention(causal, h, kv):
     q, k, v = _qkv(h=h, kv=kv)
-    out, lse, checks = ops.flash_attention_reference(q, k, v, causal=causal)
+    out, lse, checks = _reference(q, k, v, causal=causal)
     with jax.numpy_dtype_promotion("standard"):  # jax's own attention promotes bf16 with f32
         ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     # bf16 outputs: the reference normalises by the sum of the bf16 probabilities (as the kernel's
@@ -63,7 +67,7 @@ def test_reference_matches_jax_attention(causal, h, kv):
 def test_clean_ratios_stay_well_inside_the_bound(scale):
     # Magnitudes from tiny to large logits (30^2 * 64 / 8 = 7200 before the softmax's scale).
     q, k, v = _qkv(seed=3, scale=scale)
-    _, _, checks = ops.flash_attention_reference(q, k, v)
+    _, _, checks = _reference(q, k, v)
     assert float(checks.scores.max()) < 0.25 and float(checks.out.max()) < 0.25
 
 
@@ -71,8 +75,8 @@ def test_clean_ratios_stay_well_inside_the_bound(scale):
 def test_injected_flips_are_flagged_on_their_rows(bit):
     q, k, v = _qkv(seed=1)
     sites = [("scores", 0, 1, 100, bit, 50), ("scores", 1, 3, 255, bit, 200), ("out", 1, 0, 7, bit, 13)]
-    _, _, clean = ops.flash_attention_reference(q, k, v)
-    _, _, checks = ops.flash_attention_reference(q, k, v, _faults(sites))
+    _, _, clean = _reference(q, k, v)
+    _, _, checks = _reference(q, k, v, _faults(sites))
     assert _flagged(checks.scores) == {(0, 1, 100), (1, 3, 255)}
     # A huge score can also break the softmax of its own row, whose out check then fails too.
     assert (1, 0, 7) in _flagged(checks.out) <= {(1, 0, 7), (0, 1, 100), (1, 3, 255)}
@@ -81,7 +85,7 @@ def test_injected_flips_are_flagged_on_their_rows(bit):
 
 def test_a_flip_below_the_rounding_bound_passes():
     q, k, v = _qkv(seed=2)
-    _, _, checks = ops.flash_attention_reference(q, k, v, _faults([("scores", 0, 0, 10, 0, 3)]))
+    _, _, checks = _reference(q, k, v, _faults([("scores", 0, 0, 10, 0, 3)]))
     assert _flagged(checks.scores) == set()  # the last mantissa bit of one f32 score: harmless
 
 
@@ -124,8 +128,9 @@ POLICY = FaultPolicy()
 
 def test_flash_path_matches_the_materialised_path():
     q, k, v = _qkv(seed=4)
-    o1, r1 = L.attention_core(q, k, v, policy=POLICY, flash=True)
-    o2, r2 = L.attention_core(q, k, v, policy=POLICY, flash=False)
+    core = jax.jit(lambda q, k, v, f: L.attention_core(q, k, v, policy=POLICY, flash=f), static_argnums=3)
+    o1, r1 = core(q, k, v, True)
+    o2, r2 = core(q, k, v, False)
     np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32), atol=3e-2)
     assert r1.to_dict() == r2.to_dict() == {**r2.zeros().to_dict(), "gemm_checked": 2 * B * KV}
 
@@ -172,9 +177,9 @@ def test_flash_path_gradients_match_the_materialised_path_and_plain_attention(ca
             s = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None, None], s, -jnp.inf)
         return jnp.sum(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), vh) * g)
 
-    g1 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, True)
-    g2 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, False)
-    g3 = jax.grad(plain, argnums=(0, 1, 2))(q, k, v)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    g1, g2 = grad(q, k, v, True), grad(q, k, v, False)
+    g3 = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(q, k, v)
     for a, m, r in zip(g1, g2, g3, strict=True):
         a, m, r = (np.asarray(x, np.float32) for x in (a, m, r))
         scale = float(np.max(np.abs(r)))
@@ -198,7 +203,7 @@ def test_backward_faults_are_corrected_and_reported_through_the_tap(gemm, which)
         out, _ = L.attention_core(q, k, v, policy=POLICY, flash=True, faults=faults, tap=tap)
         return jnp.sum(out.astype(jnp.float32))
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     *clean, _ = grad(q, k, v, ops.zero_tap(), None)
     *got, dtap = grad(q, k, v, ops.zero_tap(), {gemm: tuple(sites)})
     rd = ops.report_from_tap(dtap).to_dict()
@@ -260,7 +265,7 @@ def test_ragged_causal_attention_runs_padded_to_the_kernels_length(monkeypatch):
         out, r = L.attention_core(q, k, v, policy=POLICY, flash=flash)
         return jnp.sum(out.astype(jnp.float32) * g), (out, r)
 
-    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
     (_, (o1, r1)), g1 = grad(q, k, v, True)
     (_, (o2, r2)), g2 = grad(q, k, v, False)
     assert set(lengths) == {256} and o1.shape == q.shape
@@ -358,8 +363,9 @@ def test_gqa_attention_passes_flash_through():
     wq, wo = (jax.random.normal(kk, s) / 8 for kk, s in ((ks[1], (e, H * D)), (ks[4], (H * D, e))))
     wk, wv = (jax.random.normal(kk, (e, KV * D)) / 8 for kk in ks[2:4])
     kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, inv_freq=None, policy=POLICY, dtype=jnp.bfloat16)
-    y1, _, r1 = L.gqa_attention(x, wq, wk, wv, wo, flash=True, **kw)
-    y2, _, r2 = L.gqa_attention(x, wq, wk, wv, wo, flash=False, **kw)
+    gqa = jax.jit(lambda *a, flash: L.gqa_attention(*a, flash=flash, **kw), static_argnames="flash")
+    y1, _, r1 = gqa(x, wq, wk, wv, wo, flash=True)
+    y2, _, r2 = gqa(x, wq, wk, wv, wo, flash=False)
     np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(y2, np.float32), atol=5e-2)
     assert r1.to_dict() == r2.to_dict()
     with pytest.raises(ValueError, match="q_positions"):  # with a cache the queries are not at 0..T-1
@@ -379,10 +385,10 @@ def test_flash_path_under_vmap_equals_one_call_per_example():
 
 def test_ratios_say_how_far_past_the_bound_and_nan_is_worst():
     q, k, v = _qkv(seed=13)
-    _, _, checks = ops.flash_attention_reference(q, k, v, _faults([("scores", 0, 2, 40, 27, 9)]))
+    _, _, checks = _reference(q, k, v, _faults([("scores", 0, 2, 40, 27, 9)]))
     r = float(checks.scores[0, 2, 40])
     assert 1.0 < r < 1e30  # a finite ratio: how far past the bound, not just "failed"
-    _, _, nan = ops.flash_attention_reference(q.at[1, 5, 3, 0].set(jnp.nan), k, v)
+    _, _, nan = _reference(q.at[1, 5, 3, 0].set(jnp.nan), k, v)
     assert float(nan.scores[1, 3, 5]) == float(nan.out[1, 3, 5]) == pytest.approx(ops._flash._BAD)
 
 

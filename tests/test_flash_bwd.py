@@ -24,8 +24,13 @@ def _inputs(b=B, t=T, h=H, kv=KV, d=D, causal=True, seed=0, scale=1.0):
     ks = jax.random.split(jax.random.key(seed), 4)
     mk = lambda key, n: (scale * jax.random.normal(key, (b, t, n, d))).astype(jnp.bfloat16)
     q, k, v, do = mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv), mk(ks[3], h)
-    out, lse, _ = ops.flash_attention_reference(q, k, v, causal=causal)
+    out, lse, _ = _forward(q, k, v, causal=causal)
     return q, k, v, out, lse, do
+
+
+# Under jit, as the layers call it: eagerly each of its ops compiles on its own (several times slower).
+_forward = jax.jit(ops.flash_attention_reference, static_argnames="causal")
+_backward = jax.jit(ops.flash_attention_bwd_reference, static_argnames="causal")
 
 
 def _plain_grads(q, k, v, do, causal):
@@ -60,8 +65,9 @@ COLS = {"scores": lambda r: r - 3, "dp": lambda r: r // 2, "scores_t": lambda r:
 @pytest.mark.parametrize(("h", "kv", "causal"), [(4, 2, True), (4, 4, False), (6, 1, True)])
 def test_reference_matches_autodiff_of_plain_attention(h, kv, causal):
     q, k, v, out, lse, do = _inputs(h=h, kv=kv, causal=causal, seed=1)
-    got = ops.flash_attention_bwd_reference(q, k, v, out, lse, do, causal=causal)
-    for a, w in zip(got[:3], _plain_grads(q, k, v, do, causal), strict=True):
+    got = _backward(q, k, v, out, lse, do, causal=causal)
+    plain = jax.jit(_plain_grads, static_argnums=4)(q, k, v, do, causal)
+    for a, w in zip(got[:3], plain, strict=True):
         w = np.asarray(w)
         # bf16 gradients from bf16 p and ds: within a few bf16 ulps of the largest gradient.
         assert np.max(np.abs(np.asarray(a, np.float32) - w)) <= 2e-2 * np.max(np.abs(w))
@@ -70,7 +76,7 @@ def test_reference_matches_autodiff_of_plain_attention(h, kv, causal):
 @pytest.mark.parametrize("scale", [1e-2, 1.0, 8.0])
 def test_clean_ratios_stay_well_inside_their_bounds(scale):
     args = _inputs(seed=2, scale=scale)
-    checks = ops.flash_attention_bwd_reference(*args)[3]
+    checks = _backward(*args)[3]
     for name, r in checks._asdict().items():
         assert 0.0 <= float(r.max()) < 0.25, (name, float(r.max()))
 
@@ -80,7 +86,7 @@ def test_flips_are_flagged_on_their_rows_only(gemm):
     args = _inputs(seed=3)
     rows = [40, 130, 255] if gemm in ("scores", "dp", "dq") else [3, 129, 200]
     f = _site(gemm, rows, 30, COLS.get(gemm, lambda r: r % D))
-    checks = ops.flash_attention_bwd_reference(*args, f)[3]
+    checks = _backward(*args, f)[3]
     sites = {(0, 1, r) for r in rows}
     q_side = ("scores", "dp", "dq")
     for name, r in checks._asdict().items():
@@ -100,7 +106,7 @@ def test_a_mantissa_flip_past_the_rounding_is_flagged():
     # an exponent flip's blow-up; the measured |ds|·‖q‖₁ bound must still see it.
     args = _inputs(seed=4)
     f = _site("dk", [100], 20, lambda r: 7)
-    r = ops.flash_attention_bwd_reference(*args, f)[3].dk
+    r = _backward(*args, f)[3].dk
     assert float(r[0, 1, 100]) > 1.0
 
 
@@ -126,7 +132,7 @@ def test_dk_magnitude_block_maxima_cover_every_query_of_their_block():
 def test_nan_in_the_cotangent_is_flagged():
     q, k, v, out, lse, do = _inputs(seed=5)
     do = do.at[0, 17, 2].set(jnp.nan)
-    ch = ops.flash_attention_bwd_reference(q, k, v, out, lse, do)[3]
+    ch = _backward(q, k, v, out, lse, do)[3]
     assert float(ch.dp[0, 2, 17]) > 1.0  # a NaN difference is written as the worst ratio
 
 
@@ -180,17 +186,7 @@ def test_layer_backward_reruns_on_a_detected_fault():
         # XLA compiles the rerun inside the loop with other fusions: one bf16 ulp may differ.
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), atol=2e-2)
     detect = FaultPolicy(mode="detect")
-    _, r2 = A._flash_backward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        do,
-        1 / math.sqrt(D),
-        True,
-        detect,
-        _site("dq", [9], 30, lambda r: 1),
-        reference=True,
-    )
+    _, r2 = jax.jit(
+        lambda f: A._flash_backward(q, k, v, out, lse, do, 1 / math.sqrt(D), True, detect, f, reference=True)
+    )(_site("dq", [9], 30, lambda r: 1))
     assert r2.to_dict()["gemm_uncorrectable"] == 1 and r2.to_dict()["gemm_recomputed"] == 0
