@@ -31,11 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jaxtyping import Array, Int32
 
 from ..faults import FaultPolicy, FaultReport
 from ..faults._inject import GemmFaults, inject_gemm_faults
 from . import _margins
 from ._abft import (
+    ABFT_CLEAN,
     ABFT_CORRECTED,
     ABFT_DETECTED,
     F32_ROUNDOFF,
@@ -161,14 +163,15 @@ def _checked_gemm(
     c, mag = abft_checks(a, enc, transposed=a_t)
     _margins.record(role, y, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     out, flags, counts = _finish(y, c, mag, correct=policy.corrects, **kw)
-    in_place = jnp.sum(flags == ABFT_CORRECTED, dtype=jnp.int32)
-    pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
-    detected = jnp.sum(jnp.any(flags != 0, axis=(1, 2)), dtype=jnp.int32)
+    in_place, pending, flagged, gated_first = _tally(flags, counts)
+    detected = jnp.sum(flagged > 0, dtype=jnp.int32)
+    in_place, pending, gated_first = (jnp.sum(t, dtype=jnp.int32) for t in (in_place, pending, gated_first))
     recomputed = jnp.int32(0)
     if policy.corrects and policy.recompute and policy.recompute_blocks is not None:
         out, gated, still, recomputed = _redo_blocks(
             a, b, c, mag, out, flags, counts, policy, precision, a_t, b_t
         )
+        gated = gated + gated_first
     elif policy.corrects and policy.recompute:
 
         def slow(_):
@@ -186,19 +189,32 @@ def _checked_gemm(
         # when some GEMM needs it, where a batched cond turns into a select that always recomputes.
         init = (out, counts, pending, jnp.int32(0), pending > 0)
         out, counts, still, recomputed, _ = lax.while_loop(lambda carry: carry[-1], slow, init)
-        gated = jnp.int32(0)
+        gated = jnp.sum(counts, dtype=jnp.int32)  # the recompute's counts, where it ran
     else:
         still = pending
-        gated = jnp.int32(0)
+        gated = gated_first
     report = FaultReport(
         gemm_checked=g,
         gemm_detected=detected,
         gemm_corrected=in_place + (pending - still),
         gemm_recomputed=recomputed,
         gemm_uncorrectable=still,
-        nonfinite_gated=gated + jnp.sum(counts, dtype=jnp.int32),
+        nonfinite_gated=gated,
     )
     return out, report
+
+
+def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tuple[Int32[Array, " g"], ...]:
+    """Per GEMM: blocks corrected in place, blocks pending (detected, not located), blocks flagged
+    at all, values gated. One variadic reduction reads flags and counts once; as four sums XLA
+    made several small kernels per protected GEMM on a GPU (~0.65 ms over a 4-layer step's 84
+    products on an H200, plus a launch gap each)."""
+    i32 = lambda t: t.astype(jnp.int32)
+    parts = (i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts)
+    zero = jnp.int32(0)
+    return lax.reduce(
+        parts, (zero,) * 4, lambda x, y: tuple(u + v for u, v in zip(x, y, strict=True)), (1, 2)
+    )
 
 
 def _finish(y, c, mag, **kw):
