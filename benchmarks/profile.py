@@ -89,13 +89,14 @@ def _scope(e: dict) -> str:
     return "(no scope recorded)"
 
 
-def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collections.Counter]:
-    """(timeline, µs by kernel name, µs by scope) of the trace's device kernels, or with no device
-    timeline, of the host's XLA ops."""
+def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collections.Counter, int]:
+    """(timeline, µs by kernel name, µs by scope, number of events) of the trace's device kernels,
+    or with no device timeline, of the host's XLA ops."""
     events, procs = _events(trace_dir)
     device = _device_pids(procs)
     by_name: collections.Counter = collections.Counter()
     by_scope: collections.Counter = collections.Counter()
+    n = 0
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -104,7 +105,8 @@ def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collection
         dur = float(e.get("dur", 0.0))
         by_name[e["name"]] += dur
         by_scope[_scope(e)] += dur
-    return ("device" if device else "host"), by_name, by_scope
+        n += 1
+    return ("device" if device else "host"), by_name, by_scope, n
 
 
 # A device gap this long is a host phase (the profiler starting, an evaluation, the host's own work
@@ -268,17 +270,19 @@ def summarize(
     time (``idle_ms``) and the ``gaps`` that make it, largest first (ms and count per step). With
     ``sources`` (``hlo_sources``), each kernel row names the op it came from and a ``sources`` table
     adds up every kernel, not only the top ones, by op (``_group``)."""
-    timeline, names, scopes = _sums(trace_dir)
+    timeline, names, scopes, n = _sums(trace_dir)
     if base_dir is not None:
-        _, names0, scopes0 = _sums(base_dir)
-        names, scopes = _minus(names, names0), _minus(scopes, scopes0)
+        _, names0, scopes0, n0 = _sums(base_dir)
+        names, scopes, n = _minus(names, names0), _minus(scopes, scopes0), n - n0
     total = sum(names.values()) / steps
 
     def table(c: collections.Counter) -> list[dict]:
         rows = [(k, v / steps) for k, v in c.most_common() if v > 0][:top]
         return [dict(name=k, ms=v / 1e3, share=v / total if total > 0 else 0.0) for k, v in rows]
 
-    out = dict(timeline=timeline, steps=steps, total_ms=total / 1e3)
+    # Events per step: kernel launches (and copies) on a device timeline. Each costs a launch gap
+    # even inside a command buffer, so a step of many small kernels idles between them.
+    out = dict(timeline=timeline, steps=steps, total_ms=total / 1e3, events=n / steps)
     out.update(kernels=table(names), scopes=table(scopes))
     if sources is not None:
         for r in out["kernels"]:
@@ -320,7 +324,7 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
     where the HLO was dumped) and, with ``--hlo-dump``, all kernels grouped by op; each led by the
     total of all device kernels per step."""
     total = {"ms_per_step": summary["total_ms"], "share": 1.0}
-    kernels = [{"kernel": "(all device kernels)", **total}]
+    kernels = [{"kernel": "(all device kernels)", **total, "count_per_step": summary["events"]}]
     for r in summary["kernels"]:
         row = {"kernel": r["name"][:90], "ms_per_step": r["ms"], "share": r["share"]}
         if "sources" in summary:
@@ -411,7 +415,8 @@ def main() -> None:
         for suite, rows in result_tables(s, args.protect).items():
             print(f"wrote {write_result(suite, rows, command, tag=args.save, note=args.note)}")
     print(
-        f"{s['timeline']} time per step: {s['total_ms']:.1f} ms (runs of 1 and {1 + args.steps} steps; {out})"
+        f"{s['timeline']} time per step: {s['total_ms']:.1f} ms in {s['events']:.0f} events "
+        f"(runs of 1 and {1 + args.steps} steps; {out})"
     )
     for title in ("kernels", "scopes", "sources"):
         if title == "sources" and "sources" not in s:

@@ -121,7 +121,13 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     tables = profile.result_tables(s, protect=True)
     assert sorted(tables) == ["profile-protect", "profile-sources"]
     kern, ops_ = tables["profile-protect"], tables["profile-sources"]
-    assert kern[0] == {"kernel": "(all device kernels)", "ms_per_step": s["total_ms"], "share": 1.0}
+    assert kern[0] == {
+        "kernel": "(all device kernels)",
+        "ms_per_step": s["total_ms"],
+        "share": 1.0,
+        "count_per_step": s["events"],
+    }
+    assert s["events"] >= 3  # three calls' ops, at least one each
     assert [r["kernel"] for r in kern[1:]] == [r["name"][:90] for r in s["kernels"]]
     assert any(r["hlo_op"].endswith("pimlayers_abft_finish") for r in kern[1:])
     assert sum(r["ms_per_step"] for r in ops_[1:]) == pytest.approx(s["total_ms"])
@@ -191,8 +197,12 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
         tmp_path / "long": {"init": 500.0, "gemm": 400.0, "check": 40.0},
         tmp_path / "short": {"init": 500.0, "gemm": 100.0, "check": 10.0, "warm_only": 5.0},
     }
+    # Launches: init once, gemm and check per step (4 steps, 1 step), warm_only once in the short run.
+    events = {tmp_path / "long": 1 + 4 * 2, tmp_path / "short": 1 + 1 * 2 + 1}
     monkeypatch.setattr(
-        profile, "_sums", lambda d: ("device", collections.Counter(us[d]), collections.Counter(us[d]))
+        profile,
+        "_sums",
+        lambda d: ("device", collections.Counter(us[d]), collections.Counter(us[d]), events[d]),
     )
     gap = {  # idle µs by (before, after): "wait" 60 per step, "start" once in either run
         tmp_path / "long": {("gemm", "check"): 180.0, ("init", "gemm"): 50.0},
@@ -226,6 +236,7 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     monkeypatch.setattr(profile, "_host", lambda d: (collections.Counter(host[d]), counts(host[d])))
     s = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
+    assert s["events"] == (9 - 4) / 3  # events per step, differenced like the times
     assert [(r["name"], round(r["ms"] * 1e3, 9)) for r in s["kernels"]] == [("gemm", 100.0), ("check", 10.0)]
     assert abs(s["kernels"][0]["share"] - 100.0 / ((300 + 30 - 5) / 3)) < 1e-12
     assert abs(s["idle_ms"] - 60.0 / 1e3) < 1e-12 and s["idle_measured"]
