@@ -3,8 +3,8 @@ bit-exactly; bad options are refused. Small models and a slice of the default co
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -62,11 +62,12 @@ def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
 
 def test_resume_continues_bit_exactly(tmp_path):
     # One device: the point is the checkpoint, not the mesh (the test above trains on all eight).
-    kw = dict(steps=8, devices=1, seed=3, gemm_fault_rate=0.5, flip_every=3, nan_rate=0.2)
-    straight = T.train(_cfg(tmp_path, out_dir=str(tmp_path / "a"), **kw))
-    half = _cfg(tmp_path, out_dir=str(tmp_path / "b"), ckpt_every=4, stop_after=4, **kw)
-    T.train(half)  # "preempted" after step 4, with a checkpoint there
-    resumed = T.train(dataclasses.replace(half, resume=True, stop_after=None))
+    kw = dict(steps=8, devices=1, seed=3, gemm_fault_rate=0.5, flip_every=3, nan_rate=0.2, ckpt_every=4)
+    straight = T.train(_cfg(tmp_path, out_dir=str(tmp_path / "a"), **kw))  # checkpoints at 4 and 8
+    # A run "preempted" after step 4: its out_dir holds the step-4 checkpoint and nothing later.
+    shutil.copytree(tmp_path / "a" / "ckpt" / "4", tmp_path / "b" / "ckpt" / "4")
+    resumed = T.train(_cfg(tmp_path, out_dir=str(tmp_path / "b"), resume=True, **kw))
+    assert resumed["curve"][0][0] == 5  # it started after the checkpoint
     for a, b in zip(
         jax.tree.leaves(straight["params_final"]), jax.tree.leaves(resumed["params_final"]), strict=True
     ):
