@@ -63,6 +63,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+    # The tests marked slow (30-120 s each on a 2-core machine) run first: xdist hands tests out in
+    # this order, so a minute-long test no longer starts last while the other worker sits idle.
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ def test_abft_campaign_quick_has_no_false_positive_and_misses_nothing():
     assert cov["worst_error_over_bound"] <= 1.0
 
 
+@pytest.mark.slow
 def test_memory_suite_quick_runs_and_repairs():
     from benchmarks import memory
 
@@ -57,6 +58,7 @@ def test_shard_suite_checks_the_rebuild_against_the_original_bytes():
     assert shard["compiles"] == 1 and shard["losses"] == 6
 
 
+@pytest.mark.slow
 def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books():
     import jax
 

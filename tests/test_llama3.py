@@ -172,6 +172,7 @@ def test_faults_in_the_model_are_corrected_and_counted():
     np.testing.assert_allclose(faulty, clean, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_and_bf16_train_step():
     cfg = get_config("llama3_tiny", n_layers=1)
     toks = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)

@@ -18,6 +18,7 @@ def test_notebooks_exist():
     assert len(NOTEBOOKS) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)

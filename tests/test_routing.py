@@ -63,6 +63,7 @@ def test_equals_dot_product_attention(schedule, layout, causal):
     assert int(rep.rounds) == (0 if schedule == "allgather" else 7)  # n - 1 transfers, no retries
 
 
+@pytest.mark.slow
 def test_own_blocks_long_enough_to_cut_still_equal_the_reference():
     # 256 tokens per device: each device's diagonal block (zig-zag: two chunks) skips its invisible
     # quarter (the contiguous layout's own block runs the same code)
@@ -84,6 +85,7 @@ def test_own_blocks_long_enough_to_cut_still_equal_the_reference():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_88_percent_link_faults_50_iterations_exact_with_no_recompilation():
     q, k, v = _qkv(1)
     mesh = _ring_mesh()

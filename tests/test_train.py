@@ -30,6 +30,7 @@ def _cfg(tmp_path, **kw):
     return T.TrainConfig(**base)
 
 
+@pytest.mark.slow
 def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
     cfg = _cfg(tmp_path, steps=12, flips=3, flip_every=3, gemm_fault_rate=1.0, nan_rate=0.25, seed=1)
     s = T.train(cfg)
@@ -60,6 +61,7 @@ def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_exactly(tmp_path):
     # One device: the point is the checkpoint, not the mesh (the test above trains on all eight).
     kw = dict(steps=8, devices=1, seed=3, gemm_fault_rate=0.5, flip_every=3, nan_rate=0.2, ckpt_every=4)
