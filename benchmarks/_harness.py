@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -157,7 +158,8 @@ def write_result(
     """Write ``rows`` to ``benchmarks/results/<date>-<suite>[-<tag>]-<device>.json`` (replacing a file of
     that name: a second run the same day needs its own ``tag`` to keep the first) with the date,
     device, versions, command, the code's commit where the checkout is a git repository (``-dirty``
-    with uncommitted changes) and an optional ``note`` (shown above the table in docs/benchmarks.md).
+    with uncommitted changes), the digest of its source files (``source_digest``) and an optional
+    ``note`` (shown above the table in docs/benchmarks.md).
     """
     if tag and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", tag):
         raise ValueError(
@@ -178,6 +180,7 @@ def write_result(
     commit = code_commit()
     if commit:
         payload["commit"] = commit
+    payload["source"] = source_digest()
     if note:
         payload["note"] = note
     payload["rows"] = rows
@@ -201,6 +204,39 @@ def code_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
+
+
+# The code behind a result: the package with its native sources, the model, the training script and
+# the benchmarks (not their results), with the build's configuration. Build products (the extension's
+# .so copied into the package) and caches have other suffixes.
+SOURCE_PATHS = ("pimlayers", "csrc", "models", "train", "benchmarks", "CMakeLists.txt", "pyproject.toml")
+_SOURCE_SUFFIXES = frozenset({".py", ".cc", ".cu", ".h", ".txt", ".toml"})
+
+
+def source_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """The files ``source_digest`` reads under ``root``, in path order (results left out)."""
+    found = []
+    for name in SOURCE_PATHS:
+        top = root / name
+        candidates = [top] if top.is_file() else top.rglob("*") if top.is_dir() else []
+        found += [f for f in candidates if f.is_file() and f.suffix in _SOURCE_SUFFIXES]
+    rel = sorted((f.relative_to(root) for f in found), key=pathlib.PurePath.as_posix)
+    return [root / r for r in rel if "results" not in r.parts]
+
+
+def source_digest(root: pathlib.Path = ROOT) -> str:
+    """sha256 (12 hex digits) of the source files (``SOURCE_PATHS``): each one's path and bytes.
+
+    It names the code a result came from where ``code_commit`` cannot: a copy of the tree without its
+    git metadata, or with an older commit's (a GPU machine's copy once recorded "7e08b33-dirty" for
+    code of 4ea5c01). ``python -m benchmarks.digest REV ...`` prints a commit's, to match against.
+    """
+    h = hashlib.sha256()
+    for f in source_files(root):
+        data = f.read_bytes()
+        h.update(f"{f.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:12]
 
 
 def command_line() -> str:

@@ -14,7 +14,8 @@ Ratios compare against the peer measured in the same run: ratio = peer time / ou
 ours is faster). GB/s counts the bytes an op must move (inputs read once, outputs written once);
 "copy_fraction" relates that to the device copy bandwidth measured in the same run. Newer files
 name the code they ran (`code:`, the commit, `-dirty` with uncommitted changes; a copy of the tree
-without git names none) and may carry a note (`--note`); `--tag` keeps a second run of one day in
+without git names none; `source:`, a digest of the source files that `python -m benchmarks.digest
+REV` gives for a commit) and may carry a note (`--note`); `--tag` keeps a second run of one day in
 its own file (`python -m benchmarks.profile ... --save TAG` writes the profile's tables the same way).
 
 Reading the matmul table: "fwd+bwd" is `value_and_grad` of sum(y * g), so both sides run all three
@@ -145,6 +146,7 @@ def render() -> None:
             f"jax {data['jax']}, Python {data['python']}; command: `{data['command']}`; file: "
             f"`benchmarks/results/{path.name}`"
             + (f"; code: `{data['commit']}`" if data.get("commit") else "")
+            + (f"; source: `{data['source']}`" if data.get("source") else "")
             + "\n\n"
             + (f"Note: {data['note'].rstrip('.')}.\n\n" if data.get("note") else "")
             + f"| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n"

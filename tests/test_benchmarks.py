@@ -148,7 +148,8 @@ def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
     tagged = _harness.write_result("finish", rows, "cmd", tag="after-1", note="the second run")
     assert plain != tagged and tagged.name.startswith(plain.name.split("-finish-")[0] + "-finish-after-1-")
     data = json.loads(tagged.read_text())
-    assert list(data)[-3:] == ["commit", "note", "rows"] and data["commit"] == "abc1234-dirty"
+    assert list(data)[-4:] == ["commit", "source", "note", "rows"] and data["commit"] == "abc1234-dirty"
+    assert data["source"] == _harness.source_digest()
     assert data["note"] == "the second run" and data["rows"] == rows
     assert "note" not in json.loads(plain.read_text())
     for bad in ("a/b", "../x", "two words", "-lead"):
@@ -158,6 +159,42 @@ def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
     # A git checkout names its commit; a copy of the tree without .git names none.
     want = r"[0-9a-f]{7,}(-dirty)?" if (_harness.ROOT / ".git").exists() else ""
     assert re.fullmatch(want, real_commit())
+
+
+def test_source_digest_names_a_commits_code_and_ignores_builds_and_results(tmp_path):
+    import subprocess
+
+    from benchmarks import _harness, digest
+
+    files = {
+        "pimlayers/a.py": "x = 1\n",
+        "csrc/k.cu": "// kernel\n",
+        "CMakeLists.txt": "project(p)\n",
+        "README.md": "not code\n",
+        "benchmarks/results/r.json": "{}\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "c"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    d = _harness.source_digest(tmp_path)
+    assert [f.relative_to(tmp_path).as_posix() for f in _harness.source_files(tmp_path)] == [
+        "CMakeLists.txt",
+        "csrc/k.cu",
+        "pimlayers/a.py",
+    ]
+    assert re.fullmatch(r"[0-9a-f]{12}", d) and digest.commit_digest("HEAD", tmp_path) == d
+    # A built extension, a result, a cache or the README do not change it; an edited source does.
+    (tmp_path / "pimlayers" / "_ext.so").write_bytes(b"\x7fELF")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("[1]\n")
+    (tmp_path / "README.md").write_text("changed\n")
+    assert _harness.source_digest(tmp_path) == d
+    (tmp_path / "pimlayers" / "a.py").write_text("x = 2\n")
+    assert _harness.source_digest(tmp_path) != d == digest.commit_digest("HEAD", tmp_path)
+    with pytest.raises(ValueError, match="git archive"):
+        digest.commit_digest("no-such-rev", tmp_path)
 
 
 def test_hlo_sources_names_fusions_as_the_gpu_names_their_kernels():
