@@ -25,11 +25,11 @@ import tempfile
 # (a whole GEMM, a gathered block of it) may then sum in different orders where -O3 happened to
 # agree, so tests compare such pairs to f32 rounding, not bit for bit.
 #
-# XLA:CPU's older loop emitters instead of its MLIR fusion emitters: a small program compiled in
-# half the time (18 against 37 ms, the median over 92 one-op programs) and `pytest -n 2
-# tests/test_abft.py` took 71 s against 87 on a 2-core machine (jaxlib 0.10.2). Both are XLA:CPU's
-# own code generators; the flag is added for jaxlib 0.10 only, where it was measured (XLA refuses
-# to start on a flag it does not know).
+# XLA:CPU's older loop emitters instead of its MLIR fusion emitters: small programs compiled in
+# about half the time (a scratch timing of 92 one-op programs, not kept) and `pytest -n 2
+# tests/test_abft.py` took 71 s against 87 on a 2-core machine (jaxlib 0.10.2; set XLA_FLAGS
+# without the flag to compare). Both are XLA:CPU's own code generators; the flag is added for
+# jaxlib 0.10 only, where it was measured (XLA refuses to start on a flag it does not know).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -63,8 +63,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
-    # The tests marked slow (30-120 s each on a 2-core machine) run first: xdist hands tests out in
-    # this order, so a minute-long test no longer starts last while the other worker sits idle.
+    # The tests marked slow (the suite's longest, 15-85 s each in CI) run first: xdist hands tests
+    # out in this order, so a minute-long test no longer starts last while the other worker idles.
     items.sort(key=lambda item: "slow" not in item.keywords)
 
 
