@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pimlayers import FaultPolicy, ops
-from pimlayers.ops._abft import encode_transposed_gemm
+from pimlayers import FaultPolicy, native_info, ops
+from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 
 from ._harness import time_fn, time_pair
@@ -108,7 +108,9 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
 
     plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the encode
     of w's checksum columns and of wᵀ's (the backward's, from w in place; ``encode_transposed_gemm``
-    the same sums as GEMMs against a block matrix, checked equal first), the checks
+    the same sums as GEMMs against a block matrix, checked equal first; ``encode_native`` and
+    ``encode_transposed_native`` the native handler with ``impl="native"``, checked against the
+    reference first, None where the platform has no native encode), the checks
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
@@ -117,6 +119,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     ``fused_kernel``).
     """
     rows = []
+    native = _native_encode()
     for block_n in block_ns:
         policy = FaultPolicy(block_n=block_n)
         for k, n in shapes:
@@ -147,6 +150,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 ),
                 # the same sums as two GEMMs against a block matrix (not the default yet)
                 "encode_transposed_gemm": (jax.jit(lambda ww, bn=bn: encode_transposed_gemm(ww, bn)), (w,)),
+                # the native encodes (on a GPU the CUDA handler, not the default yet: _ENCODE_NATIVE_ON)
+                **(_native_encodes(w, bn) if native else {}),
                 "checks": (jax.jit(ops.abft_checks), (x, enc)),
                 "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
                 "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
@@ -161,6 +166,15 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             want, got = (fns[f][0](w) for f in ("encode_transposed", "encode_transposed_gemm"))
             for a, b in zip(want, got, strict=True):  # equal to f32 rounding (another summation order)
                 np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(a).max()))
+            if native:
+                for t, name, width in (
+                    (False, "encode_native", min(bn or n, n)),
+                    (True, "encode_transposed_native", min(bn or k, k)),
+                ):
+                    ref = jax.jit(
+                        lambda ww, bn=bn, t=t: ops.abft_encode(ww, bn, transposed=t, impl="reference")
+                    )
+                    _same_encode(f"{name} {k}->{n}", ref(w), fns[name][0](w), width)
             for name in ("protected", "protected_redo_blocks", "protected_fused"):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)
@@ -168,6 +182,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                         raise AssertionError(f"{name} {k}->{n}: false detection {rep.to_dict()}")
             row = dict(op=f"fwd {k}->{n}", m=m, block_n=block_n or "row")
             row.update({f"{name}_ms": time_fn(fn, *a) * 1e3 for name, (fn, a) in fns.items()})
+            if not native:
+                row.update(encode_native_ms=None, encode_transposed_native_ms=None)
             row["ratio"] = row["plain_ms"] / row["protected_ms"]
             if block_n is not None:
                 row["ratio_redo_blocks"] = row["plain_ms"] / row["protected_redo_blocks_ms"]
@@ -175,3 +191,32 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 row["ratio_fused"] = row["plain_ms"] / row["protected_fused_ms"]
             rows.append(row)
     return rows
+
+
+def _native_encodes(w, block_n):
+    """``encode_native`` and ``encode_transposed_native``: abft_encode with impl="native"."""
+    plain = jax.jit(lambda ww: ops.abft_encode(ww, block_n, impl="native"))
+    transposed = jax.jit(lambda ww: ops.abft_encode(ww, block_n, transposed=True, impl="native"))
+    return {"encode_native": (plain, (w,)), "encode_transposed_native": (transposed, (w,))}
+
+
+def _native_encode() -> bool:
+    """Whether the default device's platform has a native abft_encode handler registered (a GPU's
+    CUDA one; missing from a CUDA module built before it, and from a build without nvcc)."""
+    platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    info = native_info().get(platform)
+    return info is not None and "pimlayers_abft_encode" in info.targets
+
+
+def _same_encode(what: str, want: WeightChecksums, got: WeightChecksums, width: int) -> None:
+    """got's block sums against want's, both f32 sums of the same terms in other orders: each within
+    Higham & Mary's probabilistic bound of the exact sum (lam = 8, the check's own, csrc/abft.h), so
+    within twice that of each other. Terms' magnitudes: abs_sums (want's) for s1 and sa, and at most
+    width times that for the position-weighted s2."""
+    tol = 16 * np.sqrt(width) * 2.0**-24 * np.asarray(want.abs_sums, np.float64)
+    pairs = [(want.sums[..., 0], got.sums[..., 0], tol), (want.sums[..., 1], got.sums[..., 1], width * tol)]
+    pairs.append((want.abs_sums, got.abs_sums, tol))
+    for a, b, t in pairs:
+        diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        if a.shape != b.shape or not np.all(diff <= t):
+            raise AssertionError(f"{what}: sums differ from the reference's past f32 rounding")

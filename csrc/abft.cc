@@ -313,15 +313,8 @@ void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, ffi::T
                 [io, p, g](int64_t r0, int64_t r1) { RunRows(io, p, g, r0, r1); });
 }
 
-// abft_encode: a weight's checksum columns in one pass over it (the reference is the pure-JAX
-// abft_encode; f64 sums here, so the two agree to f32 rounding, not bit for bit).
-struct EncodeIo {
-  const void* w;
-  FloatKind kind;
-  float* sums;      // (G, K, nb, 2)
-  float* abs_sums;  // (G, K, nb)
-  int64_t k, n, block_n, nb;
-};
+// abft_encode: a weight's checksum columns in one pass over it (EncodeIo in abft.h; the reference
+// is the pure-JAX abft_encode; f64 sums here, so the two agree to f32 rounding, not bit for bit).
 
 // Rows of w (G, K, N): each (row, block) is one SumBlock, as y's blocks are in the check. A
 // non-finite weight makes its sums non-finite (the check then reports the GEMM, never trusts it).
@@ -393,44 +386,20 @@ void RunEncode(const EncodeIo& io, bool transposed, int64_t groups, ffi::ThreadP
 
 ffi::Error AbftEncodeCpu(ffi::ThreadPool pool, ffi::AnyBuffer w, int64_t block_n, bool transposed,
                          ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> abs_sums) {
-  FloatKind kind;
-  if (!ToFloatKind(w.element_type(), &kind)) {
-    return BadArg("abft_encode", std::string("w has dtype ") + DtypeName(w.element_type()) +
-                                     "; expected float32, bfloat16 or float16");
+  EncodeIo io;
+  if (auto e = CheckEncodeShapes(w, block_n, transposed, *sums, *abs_sums, &io); e.failure()) {
+    return e;
   }
-  auto d = w.dimensions();
-  if (d.size() < 2 || block_n < 1) {
-    return BadArg("abft_encode", "w " + ShapeString(d) + ", block_n=" + std::to_string(block_n) +
-                                     "; expected (..., K, N) (or (..., N, K) transposed) and "
-                                     "block_n >= 1");
-  }
-  const int64_t rows = d[d.size() - 2], cols = d[d.size() - 1];
-  EncodeIo io{w.untyped_data(), kind, nullptr, nullptr, 0, 0, block_n, 0};
-  io.k = transposed ? cols : rows;
-  io.n = transposed ? rows : cols;
-  io.nb = io.n == 0 ? 0 : CeilDiv(io.n, block_n);
-  const int64_t groups = LeadingCount(d, 2);
-  if (sums->element_type() != ffi::DataType::F32 ||
-      abs_sums->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(sums->element_count()) != groups * io.k * io.nb * 2 ||
-      static_cast<int64_t>(abs_sums->element_count()) != groups * io.k * io.nb) {
-    return BadArg("abft_encode", "outputs " + ShapeString(sums->dimensions()) + " / " +
-                                     ShapeString(abs_sums->dimensions()) + " do not match w " +
-                                     ShapeString(d) +
-                                     "; expected float32 (..., K, nb, 2) and (..., K, nb)");
-  }
-  io.sums = static_cast<float*>(sums->untyped_data());
-  io.abs_sums = static_cast<float*>(abs_sums->untyped_data());
-  if (groups * io.k * io.nb == 0) return ffi::Error::Success();
-  switch (kind) {
+  if (io.groups * io.k * io.nb == 0) return ffi::Error::Success();
+  switch (io.kind) {
     case FloatKind::kF32:
-      RunEncode<FloatKind::kF32>(io, transposed, groups, &pool);
+      RunEncode<FloatKind::kF32>(io, transposed, io.groups, &pool);
       break;
     case FloatKind::kBF16:
-      RunEncode<FloatKind::kBF16>(io, transposed, groups, &pool);
+      RunEncode<FloatKind::kBF16>(io, transposed, io.groups, &pool);
       break;
     case FloatKind::kF16:
-      RunEncode<FloatKind::kF16>(io, transposed, groups, &pool);
+      RunEncode<FloatKind::kF16>(io, transposed, io.groups, &pool);
       break;
   }
   return ffi::Error::Success();

@@ -224,4 +224,49 @@ inline ffi::Error CheckFinishOutputs(const ffi::AnyBuffer& y, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// abft_encode: a weight's checksum columns. w is (G, K, N), or (G, N, K) when transposed (the
+// GEMM's operand stored transposed); the reference is the pure-JAX abft_encode_reference.
+struct EncodeIo {
+  const void* w;
+  FloatKind kind;
+  float* sums;      // (G, K, nb, 2)
+  float* abs_sums;  // (G, K, nb)
+  int64_t groups, k, n, block_n, nb;
+};
+
+// Shape and dtype validation shared by the CPU and CUDA bindings of abft_encode; fills io.
+inline ffi::Error CheckEncodeShapes(const ffi::AnyBuffer& w, int64_t block_n, bool transposed,
+                                    const ffi::AnyBuffer& sums, const ffi::AnyBuffer& abs_sums,
+                                    EncodeIo* io) {
+  if (!ToFloatKind(w.element_type(), &io->kind)) {
+    return BadArg("abft_encode", std::string("w has dtype ") + DtypeName(w.element_type()) +
+                                     "; expected float32, bfloat16 or float16");
+  }
+  auto d = w.dimensions();
+  if (d.size() < 2 || block_n < 1) {
+    return BadArg("abft_encode", "w " + ShapeString(d) + ", block_n=" + std::to_string(block_n) +
+                                     "; expected (..., K, N) (or (..., N, K) transposed) and "
+                                     "block_n >= 1");
+  }
+  const int64_t rows = d[d.size() - 2], cols = d[d.size() - 1];
+  io->w = w.untyped_data();
+  io->groups = LeadingCount(d, 2);
+  io->k = transposed ? cols : rows;
+  io->n = transposed ? rows : cols;
+  io->block_n = block_n;
+  io->nb = io->n == 0 ? 0 : CeilDiv(io->n, block_n);
+  const int64_t blocks = io->groups * io->k * io->nb;
+  if (sums.element_type() != ffi::DataType::F32 || abs_sums.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(sums.element_count()) != blocks * 2 ||
+      static_cast<int64_t>(abs_sums.element_count()) != blocks) {
+    return BadArg("abft_encode", "outputs " + ShapeString(sums.dimensions()) + " / " +
+                                     ShapeString(abs_sums.dimensions()) + " do not match w " +
+                                     ShapeString(d) +
+                                     "; expected float32 (..., K, nb, 2) and (..., K, nb)");
+  }
+  io->sums = static_cast<float*>(sums.untyped_data());
+  io->abs_sums = static_cast<float*>(abs_sums.untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace pimlayers

@@ -12,6 +12,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankVerifyManyCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftEncodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlPimGemvCuda);
 
 namespace {
@@ -34,6 +35,7 @@ PYBIND11_MODULE(_pimlayers_cuda, m) {
     d["pimlayers_bank_verify_many"] = Capsule(PlBankVerifyManyCuda);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCuda);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCuda);
+    d["pimlayers_abft_encode"] = Capsule(PlAbftEncodeCuda);
     d["pimlayers_pim_gemv"] = Capsule(PlPimGemvCuda);
     return d;
   });

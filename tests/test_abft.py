@@ -395,3 +395,38 @@ def test_checks_reject_an_x_that_does_not_contract_with_the_checksums():
         ops.abft_checks(jnp.ones((4, 10)), enc)
     with pytest.raises(ValueError, match="impl='fast'"):
         ops.abft_checks(jnp.ones((4, 12)), enc, impl="fast")
+
+
+@pytest.mark.parametrize(("k", "lam", "c_terms"), [(1024, 64.0, 2), (1024, 8.0, 3), (200, 64.0, 3)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_checks_given_lam_cover_their_own_error(k, lam, c_terms, transposed):
+    """Given the check's λ, the bf16 split-dot checks drop terms (_check_terms): mag stays an upper
+    scale of the exact |x|·abs_sums, and c's error stays within the share of the bound mag was
+    raised by (zero share, so f32-accurate, where three terms are kept)."""
+    from pimlayers.ops._abft import F32_ROUNDOFF, _check_terms, _checks_reference
+
+    assert _check_terms(k, lam)[0] == c_terms
+    kx, kw = jax.random.split(jax.random.key(k))
+    w = jax.random.normal(kw, (k, 96), jnp.float32) * 3
+    enc = ops.abft_encode(w, 32)
+    x = jax.random.normal(kx, (k, 40) if transposed else (40, k), jnp.float32).astype(jnp.bfloat16)
+    c, mag = jax.jit(lambda v: _checks_reference(v, enc, transposed, lam))(x)
+    xr = np.asarray(x.astype(jnp.float32), np.float64)
+    xr = xr.T if transposed else xr
+    want_c = (xr @ np.asarray(enc.sums, np.float64).reshape(k, 6)).reshape(40, 3, 2)
+    want_mag = np.abs(xr) @ np.asarray(enc.abs_sums, np.float64)
+    mag, c = np.asarray(mag, np.float64), np.asarray(c, np.float64)
+    room = lam * F32_ROUNDOFF * (np.sqrt(k) + 3.0)  # the bound's f32 part per unit of mag
+    err = np.abs(c - want_c) / np.stack([np.ones(3), np.full(3, 32.0)], -1)  # c2: per block column
+    if c_terms == 3:  # f32-accurate c; mag an upper scale
+        assert np.all(err <= (k + 1) * F32_ROUNDOFF * want_mag[..., None])
+        assert np.all(mag >= want_mag) and np.all(mag <= want_mag * (1 + 2.0**-6))
+    else:  # c within 2^-16 of mag, and mag raised past that share of the bound
+        assert np.all(err <= 2.0**-16 * want_mag[..., None])
+        raised = want_mag * (1 + 2.0**-16 / room)
+        assert np.all(mag >= raised) and np.all(mag <= raised * (1 + 2.0**-6))
+    # Without lam, f32-accurate: three terms, mag unscaled (two terms: within 2^-16).
+    c0, mag0 = _checks_reference(x, enc, transposed)
+    assert (c_terms == 3) == np.array_equal(c, c0)  # two terms: a different (coarser) sum
+    np.testing.assert_allclose(mag0, want_mag, rtol=2.0**-15)
+    assert np.all(np.abs(np.asarray(c0) - want_c) <= (k + 1) * F32_ROUNDOFF * 32 * want_mag[..., None])

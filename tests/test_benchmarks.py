@@ -421,3 +421,24 @@ def test_matmul_parts_times_every_stage_after_checking_the_two_transposed_encode
     stages = ("plain", "encode", "encode_transposed", "encode_transposed_gemm", "checks", "protected")
     assert all(row[f"{s}_ms"] > 0 for s in stages)
     assert row["ratio"] == pytest.approx(row["plain_ms"] / row["protected_ms"])
+    # The native encodes (here the CPU handler), timed after matching the reference; None without one.
+    native = ("encode_native_ms", "encode_transposed_native_ms")
+    if matmul._native_encode():
+        assert all(row[s] > 0 for s in native)
+    else:
+        assert all(row[s] is None for s in native)
+
+
+def test_matmul_parts_refuses_native_encodes_that_differ_from_the_reference():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+    from pimlayers import ops
+
+    w = jax.random.normal(jax.random.key(2), (64, 300), jnp.float32).astype(jnp.bfloat16)
+    want = ops.abft_encode(w, 128, impl="reference")
+    matmul._same_encode("same", want, ops.abft_encode(w, 128, impl="native"), 128)
+    off = want._replace(sums=want.sums.at[3, 1, 0].add(0.5))  # one extra term of w's size (N(0, 1))
+    with pytest.raises(AssertionError, match="off: sums differ from the reference's past f32 rounding"):
+        matmul._same_encode("off", want, off, 128)

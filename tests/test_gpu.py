@@ -89,6 +89,75 @@ def test_abft(gpu, shape, block_n):
     )
 
 
+def _exact_encode(w, block_n, transposed):
+    """f64 block sums of w, (s1, s2, sa), and the sums of their terms' magnitudes: (*g, K, nb) each."""
+    v = np.asarray(jnp.asarray(w).astype(jnp.float32), np.float64)
+    v = np.swapaxes(v, -1, -2) if transposed else v
+    *g, k, n = v.shape
+    bn = n if block_n is None else block_n
+    nb = -(-n // bn)
+    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, nb * bn - n)]).reshape(*g, k, nb, bn)
+    pos, a = np.arange(1, bn + 1), np.abs(v)
+    return (v.sum(-1), (v * pos).sum(-1), a.sum(-1)), (a.sum(-1), (a * pos).sum(-1), a.sum(-1))
+
+
+# abft_encode's CUDA handler (impl="native"; "auto" keeps XLA's reductions on the GPU until the
+# handler is measured faster there, _ENCODE_NATIVE_ON). Both layouts, each on its vector path
+# (16-byte packs: (64, 1024), (2, 130, 256), (2048, 64); f32 also (3, 65, 300) transposed) and its
+# scalar one (widths that are not whole packs: rows starting off 16-byte boundaries), partial last
+# blocks, a leading group axis, whole-row blocks of a tall w (the transposed kernel's narrowest
+# column chunks) and empty inputs.
+ENCODE_SHAPES = [(7, 129), (257, 4097), (3, 65, 300), (64, 1024), (2, 130, 256), (2048, 64), (0, 8), (5, 0)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", ENCODE_SHAPES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_abft_encode(gpu, dtype, shape, transposed):
+    w_host = random_array(np.random.default_rng(sum(shape)), shape, dtype)
+    w = _on(gpu, w_host)
+    n = shape[-2] if transposed else shape[-1]
+    for block_n in (None, 1, 33, 128, 256):
+        got = jax.jit(lambda v, b=block_n: ops.abft_encode(v, b, transposed=transposed, impl="native"))(w)
+        want = jax.jit(lambda v, b=block_n: ops.abft_encode_reference(v, b, transposed))(w)
+        for g, r in zip(got, want, strict=True):
+            assert g.shape == r.shape and g.dtype == r.dtype == jnp.float32, (block_n, g.shape, r.shape)
+        if got.abs_sums.size == 0:
+            continue
+        exact, mags = _exact_encode(w_host, block_n, transposed)
+        width = n if block_n is None else min(block_n, n)
+        # Both are f32 sums of the same terms in different orders: each within Higham & Mary's
+        # probabilistic bound (lam = 8, the check's own, abft.h) of the exact sum, so within twice
+        # that of each other. A term missed, counted twice or weighted wrongly is far outside it.
+        for i, (e, m) in enumerate(zip(exact, mags, strict=True)):
+            tol = 8 * np.sqrt(width) * 2.0**-24 * m
+            g = np.asarray(got.sums[..., i] if i < 2 else got.abs_sums, np.float64)
+            r = np.asarray(want.sums[..., i] if i < 2 else want.abs_sums, np.float64)
+            assert np.all(np.abs(g - e) <= tol), (block_n, i, np.max(np.abs(g - e) - tol))
+            assert np.all(np.abs(g - r) <= 2 * tol), (block_n, i, np.max(np.abs(g - r) - 2 * tol))
+
+
+def test_abft_encode_native_refuses_bad_input(gpu):
+    # Inputs the wrapper never passes: the CUDA handler answers with an error, it does not abort.
+    def call(w, k, nb, block_n):
+        outs = (jax.ShapeDtypeStruct((k, nb, 2), jnp.float32), jax.ShapeDtypeStruct((k, nb), jnp.float32))
+        fn = jax.ffi.ffi_call("pimlayers_abft_encode", outs)
+        return jax.jit(lambda v: fn(v, block_n=np.int64(block_n), transposed=np.bool_(False)))(w)
+
+    w = _on(gpu, jnp.ones((4, 8), jnp.float32))
+    bad_dtype = r"pimlayers.abft_encode: w has dtype int32; expected float32, bfloat16 or float16"
+    with pytest.raises(Exception, match=bad_dtype):
+        jax.block_until_ready(call(_on(gpu, jnp.ones((4, 8), jnp.int32)), 4, 2, 4))
+    bad_out = r"pimlayers.abft_encode: outputs \(4, 3, 2\) / \(4, 3\) do not match w \(4, 8\)"
+    with pytest.raises(Exception, match=bad_out):
+        jax.block_until_ready(call(w, 4, 3, 4))
+    with pytest.raises(Exception, match=r"pimlayers.abft_encode: w \(4, 8\), block_n=0; expected"):
+        jax.block_until_ready(call(w, 4, 2, 0))
+    sums, abs_sums = call(w, 4, 2, 4)  # and the handler runs on after them
+    assert np.array_equal(np.asarray(sums), np.broadcast_to(np.array([4.0, 10.0], np.float32), (4, 2, 2)))
+    assert np.array_equal(np.asarray(abs_sums), np.full((4, 2), 4.0, np.float32))
+
+
 # Row kernel (f32, rows and blocks multiples of 128 columns: whole 512-column chunks, a tail chunk,
 # blocks spanning chunks) and the warp kernel (ragged widths, bf16 input).
 @pytest.mark.parametrize(

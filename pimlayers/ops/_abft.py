@@ -90,7 +90,7 @@ def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
 def abft_encode_reference(
     w: Float[Array, "*g k n"], block_n: int | None = None, transposed: bool = False
 ) -> WeightChecksums:
-    """Pure-JAX twin of the native encode (f32 sums; the native one sums in f64)."""
+    """Pure-JAX twin of the native encodes (f32 sums, as the CUDA handler's; the CPU one sums in f64)."""
     if transposed:
         *g, n, k = w.shape
         bn, nb = _blocks(n, block_n)
@@ -121,10 +121,10 @@ def encode_transposed_gemm(w: Float[Array, "*g n k"], block_n: int | None = None
     128-row blocks). Exact where the reduction is: the weights t + 1 <= 256 are exact in bf16 and
     f16, so every product is exact in the f32 accumulator; only the order of the f32 additions
     differs. For bf16/f16 w and blocks of at most 256 rows; anything else takes the reduction.
-    ``abft_encode(..., transposed=True)`` runs it where no native encode does (the GPU): on an H200
-    a 4096 x 14336 bf16 weight's transposed encode took 0.083 ms against the reduction's 0.230
-    (128-row blocks; 4096 x 1024: 0.055 against 0.061), ``python -m benchmarks.run --suite
-    matmul-parts``, 2026-12-02.
+    ``abft_encode(..., transposed=True)`` runs it where "auto" takes no native encode (the GPU, for
+    now: ``_ENCODE_NATIVE_ON``): on an H200 a 4096 x 14336 bf16 weight's transposed encode took
+    0.083 ms against the reduction's 0.230 (128-row blocks; 4096 x 1024: 0.055 against 0.061),
+    ``python -m benchmarks.run --suite matmul-parts``, 2026-12-02.
     """
     n = w.shape[-2]
     bn, nb = _blocks(n, block_n)
@@ -161,6 +161,15 @@ def _materialised(sums):
     return lax.optimization_barrier(sums)
 
 
+# The platforms where abft_encode's impl="auto" calls the native handler. The CUDA handler
+# (csrc/abft_encode.cu: one pass over w, the sums written in their final layout) exists and is
+# tested against the reference (tests/test_gpu.py, impl="native"), but the GPU keeps XLA's
+# reductions and the transposed GEMM encode until the handler is measured faster there on an H200
+# (``python -m benchmarks.run --suite matmul-parts``: encode_native_ms and
+# encode_transposed_native_ms beside encode_ms and encode_transposed_ms); then ("cpu", "cuda").
+_ENCODE_NATIVE_ON: tuple[str, ...] = ("cpu",)
+
+
 def _encode_native(w, block_n: int | None, transposed: bool) -> WeightChecksums:
     *g, r, c = w.shape
     k, n = (c, r) if transposed else (r, c)
@@ -192,7 +201,9 @@ def abft_encode(
     reductions took 0.13-1.2 ms there where the GEMM they protect took ~0.7 (2026-11-30). The GPU
     keeps XLA's reductions (``impl="auto"``), except for a transposed bf16/f16 w, whose sums there
     are two skinny GEMMs (:func:`encode_transposed_gemm`, 2.8x faster at 4096 x 14336 on an H200).
-    ``impl="reference"`` is the plain reduction everywhere.
+    The CUDA handler runs with ``impl="native"``; ``"auto"`` takes it where ``_ENCODE_NATIVE_ON``
+    lists the platform (not yet the GPU: it is not yet measured there). ``impl="reference"`` is the
+    plain reduction everywhere.
     """
     check_float("abft_encode", "w", w)
     if w.ndim < 2:
@@ -205,7 +216,7 @@ def abft_encode(
     else:  # w's rows are its sums' rows: each device encodes its own (dy's rows are tokens in dw)
         rows = row_parallel(lambda v: tuple(_encode_native(v, block_n, False)), (1,), (2, 1))
         native = lambda v: WeightChecksums(*rows(v))
-    if transposed and impl == "auto":
+    if transposed and impl == "auto":  # where "auto" takes no native encode (the GPU, for now)
         fallback = lambda v: encode_transposed_gemm(v, block_n)
     else:
         fallback = lambda v: abft_encode_reference(v, block_n, transposed)
@@ -215,13 +226,18 @@ def abft_encode(
         native,
         fallback,
         lax.stop_gradient(w),  # checksums carry no gradient (the protected GEMM's VJP gives them none)
-        native_on=("cpu",),
+        native_on=_ENCODE_NATIVE_ON,
     )
 
 
 @_scoped("pimlayers.abft_checks")
 def abft_checks(
-    x: Float[Array, "*m k"], enc: WeightChecksums, *, transposed: bool = False, impl: str = "auto"
+    x: Float[Array, "*m k"],
+    enc: WeightChecksums,
+    *,
+    transposed: bool = False,
+    impl: str = "auto",
+    lam: float | None = None,
 ) -> tuple[Float[Array, "*m nb 2"], Float[Array, "*m nb"]]:
     """The checks of y = x @ w from w's checksum columns: ``(c, mag)`` in f32 at HIGHEST precision.
 
@@ -232,6 +248,12 @@ def abft_checks(
     Native on the CPU for x's rows (one pass over x for both, f32 sums; XLA's two narrow GEMMs and
     the |x| between them took 0.14-0.63 ms at 256 x 256-1024 on a 2-core CPU, the native op
     0.04-0.14 on one thread); ``transposed`` and the GPU keep XLA's dots.
+
+    ``lam``: the λ of the check these feed (``FaultPolicy.lam``, or ``lam_dw`` for a weight
+    gradient). Given, a bf16 x's split-dot checks (the GPU's path, ``_checks_reference``) are formed
+    only as precisely as that check needs, and mag comes out raised to cover what is left out
+    (:func:`_check_terms`): still an upper scale for the bound, so no clean product fails it.
+    Without ``lam`` both are f32-accurate. The native (CPU) checks are f32-accurate either way.
     """
     *g, k, nb = enc.abs_sums.shape
     if transposed and (x.ndim != len(g) + 2 or tuple(x.shape[:-2]) != tuple(g) or x.shape[-2] != k):
@@ -240,7 +262,7 @@ def abft_checks(
             f"({', '.join(map(str, (*g, k)))}, R) for checksums of {tuple(enc.sums.shape)}"
         )
     check_impl("abft_checks", impl)
-    reference = lambda v, s, a: _checks_reference(v, WeightChecksums(s, a), transposed)
+    reference = lambda v, s, a: _checks_reference(v, WeightChecksums(s, a), transposed, lam)
     if x.shape[-2 if transposed else -1] != k:
         raise ValueError(
             f"pimlayers.abft_checks: x has shape {tuple(x.shape)}; expected K = {k} on its "
@@ -277,7 +299,37 @@ def _checks_native(x, sums, abs_sums, transposed: bool):
     return call(x, sums, abs_sums, transposed=np.bool_(transposed))
 
 
-def _checks_reference(x, enc: WeightChecksums, transposed: bool):
+# A bf16 term of an f32 value v: rounding to nearest leaves |v - head| <= 2^-8 |v| (8 significant
+# bits), so after t terms the rest is at most 2^-8t |v|.
+_BF16_REST = 2.0**-8
+
+
+def _check_terms(k: int, lam: float | None) -> tuple[int, int, float]:
+    """``(c_terms, mag_terms, mag_scale)`` for bf16 split-dot checks feeding a check with this λ.
+
+    Three bf16 terms carry an f32 checksum column to f32 precision (rest <= 2^-24), what the bound's
+    f32 part, λ·u·(√K + √n + 2)·mag with u = 2^-24, assumes. Two leave a rest of at most 2^-16 of
+    each column's value, and |Σ_k x_k s_k| <= Σ_k |x_k| |s_k| <= mag for the plain sums (n·mag for
+    the position-weighted ones, which the check compares against n·B1): an error of at most
+    2^-16·mag in c. Two terms are taken where that is at most 1/8 of the bound's f32 part (taking
+    √n + 2 >= 3): λ·(√K + 3) >= 2^8·8, which the weight gradients' λ = 64 meets from K = 841 and
+    the default λ = 8 only beyond K = 64000. mag is then raised by that share, so the bound covers
+    c's error: at most 1/8 looser than with f32-accurate checks. mag itself only scales the bound:
+    one term (rest <= 2^-8) raised by 2^-7, twice the shortfall, stays an upper scale (what is
+    left, ~2^-9, also covers mag's own f32 summation). Without ``lam``: three and two terms,
+    unscaled (f32-accurate).
+    """
+    if lam is None:
+        return 3, 2, 1.0
+    room = lam * F32_ROUNDOFF * (math.sqrt(k) + 3.0)  # the f32 part of B1 per unit of mag, smallest n
+    rest2 = _BF16_REST**2
+    scale = 1.0 + 2.0 * _BF16_REST
+    if rest2 <= room / 8:
+        return 2, 1, scale * (1.0 + rest2 / room)
+    return 3, 1, scale
+
+
+def _checks_reference(x, enc: WeightChecksums, transposed: bool, lam: float | None = None):
     *g, k, nb = enc.abs_sums.shape
     sums = enc.sums.reshape(*g, k, nb * 2)
     rows = x.shape[-1] if transposed else x.shape[-2]
@@ -286,11 +338,14 @@ def _checks_reference(x, enc: WeightChecksums, transposed: bool):
         # bf16 x: the f32 checksum columns split into bf16 terms (hi + mid + lo carries 24 bits,
         # f32's precision) ride on the tensor cores: each bf16 x bf16 product is exact in f32, so
         # the f32-accumulated sum of the three products is the f32 check, at bf16 GEMM speed (an
-        # f32 GEMM at HIGHEST runs on CUDA cores, ~15x slower on an H200). mag only scales the
-        # bound: two terms (2^-17 relative) are plenty.
-        c = _split_dot(x, sums, 3, transposed).reshape(*lead, rows, nb, 2)
-        mag = _split_dot(jnp.abs(x), enc.abs_sums, 2, transposed)
-        return c, mag
+        # f32 GEMM at HIGHEST runs on CUDA cores, ~15x slower on an H200). Given the check's λ,
+        # fewer terms where the bound has room for their rest (_check_terms): every term is a
+        # column per block in these GEMMs (8 per 128-column block with f32-accurate checks, 6.25%
+        # of the protected GEMM's own work; 7, or 5 for the weight gradients, given λ).
+        c_terms, mag_terms, scale = _check_terms(k, lam)
+        c = _split_dot(x, sums, c_terms, transposed).reshape(*lead, rows, nb, 2)
+        mag = _split_dot(jnp.abs(x), enc.abs_sums, mag_terms, transposed)
+        return c, mag if scale == 1.0 else mag * jnp.float32(scale)
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
     c = _dot_x(xf, sums, transposed, precision=hi).reshape(*lead, rows, nb, 2)

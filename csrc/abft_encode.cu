@@ -1,0 +1,378 @@
+// CUDA handler of abft_encode: a weight's checksum columns (EncodeIo in abft.h) in one pass over w,
+// written once, in their final layout: sums (G, K, nb, 2) as (s1, s2) pairs, abs_sums (G, K, nb).
+//
+// Two kernels, one launch each:
+//   AbftEncodeRowsKernel (w is (G, K, N)): a group of 2^p lanes per (row, column block). The
+//     blocks of all rows tile w's memory in order, so a warp's groups take consecutive blocks (and
+//     write consecutive outputs); each lane takes every 2^p-th pack of its block, kLoads packs in
+//     flight, and the group adds its lanes' sums with shuffles. The group is sized so that a lane
+//     has about kLoads packs of a full block (128-column bf16 blocks: 4 lanes of 4 x 16 bytes).
+//   AbftEncodeBlocksKernel (transposed, w is (G, N, K)): a CTA per (group, column chunk, bpc
+//     blocks of rows). Each lane owns one pack of columns and walks down rows of its block (a
+//     warp's lanes with the same row read one contiguous run of a row), kLoads rows in flight, so
+//     the sums over rows stay in the lane's registers; the row slots of a block (lanes of a warp,
+//     then warps) are added through shuffles and shared memory, and the CTA writes its columns'
+//     sums.
+// A pack is one 16-byte load (8 bf16/f16 values or 4 f32) where every pack is 16-byte aligned
+// (rows: N and block_n multiples of 8 or 4 values; transposed: K a multiple of 8 or 4), else one
+// value (the general path: odd widths, misaligned rows; the same kernels, scalar loads).
+//
+// Numerics: f32 sums, as the pure-JAX reference's (the CPU handler sums in f64). Values widen to
+// f32 exactly. Each weighted term (j+1)*w enters its sum through one fmaf, so the product itself is
+// never rounded (it would be exact anyway for bf16/f16 w and j < 256: j+1 has at most 8 significant
+// bits and w 8 or 11, within f32's 24); the positions j+1 are floats, exact below 2^24. Only the
+// order of the f32 additions differs from the reference's: a lane's terms in sequence, then a tree
+// over lanes (rows), or over a warp's row slots and then its block's warps in order (transposed),
+// an error of at most (terms per lane + additions after them) u sum|term| to first order, which the
+// check's bound already allows for f32 check sums (its sqrt(n) term). A non-finite weight makes its
+// sums non-finite (the weights start at 1: no 0 * inf), as in the reference; the check then reports
+// the GEMM, it never trusts it.
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "abft.h"
+#include "cuda_util.h"
+
+namespace pimlayers {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoads = 4;  // packs a lane has in flight before it sums any (4 x 16 = 64 bytes)
+// The transposed kernel's 24 f32 accumulators (8 columns x 3 sums) and 16 registers of loads held
+// 72 registers unbounded: 3 CTAs per SM. Bounded to 64, 4 CTAs (1024 threads, 64 KB of loads in
+// flight per SM).
+constexpr int kBlocksPerSm = 4;
+static_assert(kWarps == 8, "the transposed kernel's tiling takes 8 warps (bpc = 8 >> wpb_log2)");
+
+struct Bf16 {};
+struct F16 {};
+
+template <typename T>
+constexpr int kBytes = std::is_same<T, float>::value ? 4 : 2;
+
+// A value's f32 from its bits (the low 16 bits for bf16/f16; higher bits are ignored): exact.
+template <typename T>
+__device__ __forceinline__ float ToF32(uint32_t bits);
+template <>
+__device__ __forceinline__ float ToF32<float>(uint32_t bits) {
+  return __uint_as_float(bits);
+}
+template <>
+__device__ __forceinline__ float ToF32<Bf16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+template <>
+__device__ __forceinline__ float ToF32<F16>(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+// kVec consecutive values of w as loaded: one 16-byte load (kVec = 16 / bytes per value) or one
+// value (kVec = 1). Streamed (`__ldcs`): w is read once.
+template <typename T, int kVec>
+struct Pack {
+  static constexpr int kWords = kVec * kBytes<T> >= 4 ? kVec * kBytes<T> / 4 : 1;
+  uint32_t q[kWords];
+
+  // i: the element index of the pack's first value (a multiple of kVec).
+  __device__ __forceinline__ void Load(const void* w, int64_t i) {
+    if constexpr (kVec == 1 && kBytes<T> == 2) {
+      q[0] = __ldcs(static_cast<const unsigned short*>(w) + i);
+    } else if constexpr (kVec == 1) {
+      q[0] = __ldcs(static_cast<const unsigned int*>(w) + i);
+    } else {
+      static_assert(kVec * kBytes<T> == 16, "a pack is one 16-byte load");
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(w) + i / kVec);
+      q[0] = v.x;
+      q[1] = v.y;
+      q[2] = v.z;
+      q[3] = v.w;
+    }
+  }
+  __device__ __forceinline__ float At(int j) const {
+    if constexpr (kBytes<T> == 4) {
+      return ToF32<T>(q[j]);
+    } else {
+      return ToF32<T>(q[j / 2] >> (16 * (j % 2)));
+    }
+  }
+};
+
+struct EncodeArgs {
+  const void* w;
+  float* sums;      // (G, K, nb, 2): (s1, s2) pairs
+  float* abs_sums;  // (G, K, nb)
+  int64_t groups, k, n, block_n, nb;
+};
+
+// The non-transposed encode. lanes_log2: lanes per (row, block), 0..5; small: G*K*nb < 2^32 (a
+// block's row and index by 32-bit division, where a 64-bit one is a long emulated sequence).
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    AbftEncodeRowsKernel(EncodeArgs a, int lanes_log2, bool small) {
+  const int lanes = 1 << lanes_log2, lane = threadIdx.x & 31, gl = lane & (lanes - 1);
+  const int per_warp = 32 >> lanes_log2;  // (row, block) pairs a warp takes at once
+  const int64_t segs = a.groups * a.k * a.nb;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps * per_warp;
+  // Warp-uniform loop (the shuffles need every lane); s: this lane's (row, block), row-major.
+  for (int64_t s0 = (static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * per_warp;
+       s0 < segs; s0 += stride) {
+    const int64_t s = s0 + (lane >> lanes_log2);
+    float a1 = 0, a2 = 0, aa = 0;
+    if (s < segs) {
+      int64_t row, b;
+      if (small) {
+        const uint32_t r32 = static_cast<uint32_t>(s) / static_cast<uint32_t>(a.nb);
+        row = r32;
+        b = static_cast<uint32_t>(s) - r32 * static_cast<uint32_t>(a.nb);
+      } else {
+        row = s / a.nb;
+        b = s - row * a.nb;
+      }
+      const int64_t first = row * a.n + b * a.block_n;  // element index of the block's value 0
+      const int64_t width = a.n - b * a.block_n < a.block_n ? a.n - b * a.block_n : a.block_n;
+      const int64_t packs = width / kVec;  // whole packs: the vector path needs kVec | width
+      for (int64_t v0 = gl; v0 < packs; v0 += kLoads * lanes) {
+        Pack<T, kVec> p[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          if (v0 + u * lanes < packs) p[u].Load(a.w, first + (v0 + u * lanes) * kVec);
+        }
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int64_t v = v0 + u * lanes;
+          if (v < packs) {
+            const float pos = static_cast<float>(v * kVec + 1);  // j + 1 of the pack's value 0
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              const float x = p[u].At(j);
+              a1 += x;
+              a2 = fmaf(pos + static_cast<float>(j), x, a2);
+              aa += fabsf(x);
+            }
+          }
+        }
+      }
+    }
+    for (int o = lanes / 2; o > 0; o >>= 1) {
+      a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+      a2 += __shfl_xor_sync(0xffffffffu, a2, o);
+      aa += __shfl_xor_sync(0xffffffffu, aa, o);
+    }
+    if (s < segs && gl == 0) {
+      a.sums[2 * s] = a1;  // two f32 stores: nothing promises sums 8-byte alignment
+      a.sums[2 * s + 1] = a2;
+      a.abs_sums[s] = aa;
+    }
+  }
+}
+
+// The transposed encode's layout within a CTA of kWarps warps: a warp's 32 lanes are 2^cols_log2
+// column packs (cols_log2 1..5) by 32 >> cols_log2 row slots; the warps are bpc = kWarps >>
+// wpb_log2 blocks of rows by 2^wpb_log2 warps each. chunks: column chunks of 2^cols_log2 packs per
+// group; bgroups: groups of bpc blocks per group.
+struct BlocksTiling {
+  int cols_log2, wpb_log2;
+  int64_t chunks, bgroups;
+};
+
+// Partial sums of each warp's column packs (a row-slot-0 lane's), padded to 33 columns so that
+// lanes writing consecutive columns, and threads reading them, fall in different banks.
+template <int kVec>
+struct Partials {
+  float v[kWarps][3][kVec][33];
+};
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    AbftEncodeBlocksKernel(EncodeArgs a, BlocksTiling t) {
+  __shared__ Partials<kVec> part;
+  const int cols = 1 << t.cols_log2, wpb = 1 << t.wpb_log2, bpc = kWarps >> t.wpb_log2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int c = lane & (cols - 1);             // column pack in the chunk
+  const int bl = warp >> t.wpb_log2;           // block in the CTA
+  const int slots = wpb << (5 - t.cols_log2);  // row slots per block
+  const int slot = ((warp & (wpb - 1)) << (5 - t.cols_log2)) + (lane >> t.cols_log2);
+  const int64_t kpacks = a.k / kVec;  // whole packs: the vector path needs kVec | K
+  const int64_t units = a.groups * t.bgroups * t.chunks;
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {  // CTA-uniform: barriers inside
+    // Column chunks fastest: neighbouring CTAs read neighbouring columns of the same rows.
+    const int64_t chunk = u % t.chunks, rest = u / t.chunks;
+    const int64_t bg = rest % t.bgroups, g = rest / t.bgroups;
+    const int64_t kp = chunk * cols + c, b = bg * bpc + bl;
+    float s1[kVec], s2[kVec], sa[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) s1[j] = s2[j] = sa[j] = 0;
+    if (kp < kpacks && b < a.nb) {
+      const int64_t rows = a.n - b * a.block_n < a.block_n ? a.n - b * a.block_n : a.block_n;
+      const int64_t first = (g * a.n + b * a.block_n) * a.k + kp * kVec;  // row 0 of the block
+      const int64_t step = a.k * slots;  // elements from one of this thread's rows to the next
+      for (int64_t r0 = slot, i0 = first + slot * a.k; r0 < rows;
+           r0 += kLoads * slots, i0 += kLoads * step) {
+        Pack<T, kVec> p[kLoads];
+#pragma unroll
+        for (int q = 0; q < kLoads; ++q) {
+          if (r0 + q * slots < rows) p[q].Load(a.w, i0 + q * step);
+        }
+        const float pos0 = static_cast<float>(r0 + 1);  // t + 1 for row t of the block
+#pragma unroll
+        for (int q = 0; q < kLoads; ++q) {
+          if (r0 + q * slots < rows) {
+            const float pos = pos0 + static_cast<float>(q * slots);
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              const float x = p[q].At(j);
+              s1[j] += x;
+              s2[j] = fmaf(pos, x, s2[j]);
+              sa[j] += fabsf(x);
+            }
+          }
+        }
+      }
+    }
+    // The warp's row slots: lanes `cols` apart hold the same columns.
+    for (int o = 16; o >= cols; o >>= 1) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        s1[j] += __shfl_xor_sync(0xffffffffu, s1[j], o);
+        s2[j] += __shfl_xor_sync(0xffffffffu, s2[j], o);
+        sa[j] += __shfl_xor_sync(0xffffffffu, sa[j], o);
+      }
+    }
+    if (lane < cols) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        part.v[warp][0][j][c] = s1[j];
+        part.v[warp][1][j][c] = s2[j];
+        part.v[warp][2][j][c] = sa[j];
+      }
+    }
+    __syncthreads();
+    // The block's warps added in order; e runs over (value j, column pack, block), the block
+    // fastest, so a column's adjacent blocks are adjacent writes.
+    const int bpc_log2 = 3 - t.wpb_log2;  // kWarps = 8
+    for (int e = threadIdx.x; e < (kVec * cols) * bpc; e += kThreads) {
+      const int eb = e & (bpc - 1), ec = (e >> bpc_log2) & (cols - 1);
+      const int ej = e >> (bpc_log2 + t.cols_log2);
+      const int64_t k = (chunk * cols + ec) * kVec + ej, bb = bg * bpc + eb;
+      if (chunk * cols + ec >= kpacks || bb >= a.nb) continue;
+      float t1 = 0, t2 = 0, ta = 0;
+      for (int wp = 0; wp < wpb; ++wp) {
+        const int w = eb * wpb + wp;
+        t1 += part.v[w][0][ej][ec];
+        t2 += part.v[w][1][ej][ec];
+        ta += part.v[w][2][ej][ec];
+      }
+      const int64_t o = (g * a.k + k) * a.nb + bb;
+      a.sums[2 * o] = t1;
+      a.sums[2 * o + 1] = t2;
+      a.abs_sums[o] = ta;
+    }
+    __syncthreads();  // part is free for the next unit
+  }
+}
+
+int FloorLog2(int64_t v) {
+  int l = 0;
+  while (v > 1) {
+    v >>= 1;
+    ++l;
+  }
+  return l;
+}
+
+// Rows: lanes per (row, block) so that a lane has about kLoads packs of a full block.
+template <typename T, int kVec>
+void LaunchRows(cudaStream_t stream, const EncodeArgs& a) {
+  const int64_t packs = (a.block_n < a.n ? a.block_n : a.n) / kVec;  // of a full block
+  const int lanes_log2 = std::min(5, FloorLog2(std::max<int64_t>(1, packs / kLoads)));
+  const int64_t segs = a.groups * a.k * a.nb;
+  AbftEncodeRowsKernel<T, kVec><<<GridFor(segs << lanes_log2, kThreads), kThreads, 0, stream>>>(
+      a, lanes_log2, segs < (int64_t{1} << 32));
+}
+
+// Transposed: warps per block so that a thread has about 16 rows of a block (fewer rows leave the
+// loads' latency exposed, more leave few CTAs), then narrower column chunks (more CTAs, more row
+// slots per block) while there are fewer CTAs than 4 per SM and a thread keeps 8 rows or more
+// (whole-row blocks of a narrow w: few columns, many rows). A warp of 2 packs still reads whole
+// 32-byte sectors of a row (the general path's scalar loads: 4 or 8 bytes, the rest of the sector
+// read by the next chunk's CTA, from L2 if it is still there).
+template <typename T, int kVec>
+void LaunchBlocks(cudaStream_t stream, const EncodeArgs& a, int sms) {
+  const int64_t bn = a.block_n < a.n ? a.block_n : a.n, kpacks = a.k / kVec;
+  BlocksTiling t{5, 0, 0, 0};
+  while (t.wpb_log2 < 3 && (bn >> (t.wpb_log2 + 1)) >= 16) ++t.wpb_log2;
+  while (t.cols_log2 > 1 && (int64_t{1} << (t.cols_log2 - 1)) >= kpacks) --t.cols_log2;
+  auto ctas = [&](int cols_log2) {
+    return a.groups * CeilDiv(kpacks, int64_t{1} << cols_log2) *
+           CeilDiv(a.nb, int64_t{kWarps >> t.wpb_log2});
+  };
+  auto rows_per_thread = [&](int cols_log2) {
+    return CeilDiv(bn, int64_t{1} << (t.wpb_log2 + 5 - cols_log2));
+  };
+  while (t.cols_log2 > 1 && ctas(t.cols_log2) < 4 * int64_t{sms} &&
+         rows_per_thread(t.cols_log2 - 1) >= 8) {
+    --t.cols_log2;
+  }
+  t.chunks = CeilDiv(kpacks, int64_t{1} << t.cols_log2);
+  t.bgroups = CeilDiv(a.nb, int64_t{kWarps >> t.wpb_log2});
+  AbftEncodeBlocksKernel<T, kVec><<<GridFor(ctas(t.cols_log2), 1), kThreads, 0, stream>>>(a, t);
+}
+
+template <typename T>
+ffi::Error RunEncode(cudaStream_t stream, const EncodeArgs& a, bool transposed) {
+  constexpr int kVec = 16 / kBytes<T>;
+  const bool aligned = reinterpret_cast<uintptr_t>(a.w) % 16 == 0;
+  if (transposed) {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return CudaStatus("abft_encode");
+    }
+    // Every row of w starts 16-byte aligned, and a pack never leaves its row.
+    if (aligned && a.k % kVec == 0) {
+      LaunchBlocks<T, kVec>(stream, a, sms);
+    } else {
+      LaunchBlocks<T, 1>(stream, a, sms);
+    }
+  } else if (aligned && a.n % kVec == 0 && (a.nb == 1 || a.block_n % kVec == 0)) {
+    // Every block starts 16-byte aligned and holds whole packs.
+    LaunchRows<T, kVec>(stream, a);
+  } else {
+    LaunchRows<T, 1>(stream, a);
+  }
+  return CudaStatus("abft_encode");
+}
+
+ffi::Error AbftEncodeCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t block_n, bool transposed,
+                          ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> abs_sums) {
+  EncodeIo io;
+  if (auto e = CheckEncodeShapes(w, block_n, transposed, *sums, *abs_sums, &io); e.failure()) {
+    return e;
+  }
+  if (io.groups * io.k * io.nb == 0) return ffi::Error::Success();  // nothing to launch
+  const EncodeArgs a{io.w, io.sums, io.abs_sums, io.groups, io.k, io.n, io.block_n, io.nb};
+  switch (io.kind) {
+    case FloatKind::kF32:
+      return RunEncode<float>(stream, a, transposed);
+    case FloatKind::kBF16:
+      return RunEncode<Bf16>(stream, a, transposed);
+    case FloatKind::kF16:
+      return RunEncode<F16>(stream, a, transposed);
+    default:
+      return BadArg("abft_encode", "w has an unsupported dtype");
+  }
+}
+
+}  // namespace
+}  // namespace pimlayers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftEncodeCuda, pimlayers::AbftEncodeCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()    // w: (..., K, N) f32|bf16|f16
+                                  .Attr<int64_t>("block_n")      // column block width
+                                  .Attr<bool>("transposed")      // w stored as (..., N, K)
+                                  .Ret<xla::ffi::AnyBuffer>()    // sums: (..., K, nb, 2) f32
+                                  .Ret<xla::ffi::AnyBuffer>());  // abs_sums: (..., K, nb) f32
