@@ -444,3 +444,118 @@ def test_bmm_grads_equal_the_bmm_backward_and_report_its_faults(dtype):
         ops.protected_bmm_grads(a, b, dy[..., :8], policy=pol)
     with pytest.raises(ValueError, match="same leading axes"):
         ops.protected_bmm_grads(a, b[:1], dy, policy=pol)
+
+
+def _sites(m, n, seed, bit=30):
+    return GemmFaults.random(jax.random.key(seed), (m, n), 2, 1.0, bit=bit)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_protected_matmuls_equal_separate_products_with_their_faults(dtype):
+    """protected_matmuls (one check GEMM for several weights) gives each product, its gradients and
+    the forward and backward reports that separate protected_matmul calls give, with exponent
+    flips in different weights' forward, dx and dw products corrected the same way."""
+    m, k, ns = 48, 64, (96, 32, 40)
+    kx, *kw = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(kx, (2, m // 2, k), jnp.float32).astype(dtype)
+    ws = [(jax.random.normal(key, (k, n)) / np.sqrt(k)).astype(dtype) for key, n in zip(kw, ns, strict=True)]
+    faults = (
+        (_sites(m, ns[0], 1), None, _sites(k, ns[0], 2)),  # forward and dw of the first weight
+        None,
+        (None, _sites(m, k, 3), None),  # dx of the third
+    )
+
+    def loss(fn, x, ws, tap):
+        ys, rep = fn(x, ws, tap)
+        return sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in ys), (ys, rep)
+
+    def shared(x, ws, tap):
+        return ops.protected_matmuls(x, ws, faults=faults, tap=tap)
+
+    def separate(x, ws, tap):
+        outs = [ops.protected_matmul(x, w, faults=f, tap=tap) for w, f in zip(ws, faults, strict=True)]
+        rep = outs[0][1] + outs[1][1] + outs[2][1]
+        return tuple(y for y, _ in outs), rep
+
+    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2), has_aux=True))
+    (gx, gw, gt), (ys, rep) = grad(shared)(x, ws, ops.zero_tap())
+    (hx, hw, ht), (zs, rep0) = grad(separate)(x, ws, ops.zero_tap())
+    for y, z, w in zip(ys, zs, ws, strict=True):
+        assert y.shape == (2, m // 2, w.shape[1]) and y.dtype == dtype
+        np.testing.assert_array_equal(y, z)
+    assert rep.to_dict() == rep0.to_dict()
+    d = rep.to_dict()  # two sites (two blocks) in one GEMM, each corrected in place
+    assert (d["gemm_checked"], d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (
+        3,
+        1,
+        2,
+        0,
+    )
+    back, back0 = ops.report_from_tap(gt).to_dict(), ops.report_from_tap(ht).to_dict()
+    assert back == back0
+    assert (
+        back["gemm_checked"],
+        back["gemm_detected"],
+        back["gemm_corrected"],
+        back["gemm_uncorrectable"],
+    ) == (
+        6,
+        2,
+        4,
+        0,
+    )
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(hx, np.float32), **tol)
+    for a, b in zip(gw, hw, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
+    """The forward forms every weight's checks with one abft_checks call on x, the backward every
+    weight gradient's with one on xᵀ (dx's checks stay per weight: each has its own dy)."""
+    from pimlayers.ops import _protected_matmul as pm
+
+    calls = []
+    real = pm.abft_checks
+
+    def counting(a, enc, **kw):
+        calls.append((kw.get("transposed", False), enc.abs_sums.shape[-1]))
+        return real(a, enc, **kw)
+
+    monkeypatch.setattr(pm, "abft_checks", counting)
+    x, w1 = _xw(16, 32, 64)
+    w2 = _xw(16, 32, 32, seed=1)[1]
+    f = lambda x, a, b: sum(jnp.sum(y) for y in ops.protected_matmuls(x, (a, b), policy=ROW)[0])
+    jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, w1, w2)
+    # Whole rows: one block per product. Forward: x against both (2 blocks); backward: dx per
+    # weight (x's K = 32 columns: one block each), dw: xᵀ against both dy's (2 blocks).
+    assert sorted(calls) == sorted([(False, 2), (False, 1), (False, 1), (True, 2)])
+
+
+def test_the_mlp_checks_gate_and_up_with_one_call(monkeypatch):
+    """llama_mlp's gate and up projections share x: their checks come from one abft_checks call
+    (with both weights' blocks), the down projection's from its own."""
+    from pimlayers.layers import llama_mlp
+    from pimlayers.ops import _protected_matmul as pm
+
+    calls = []
+    real = pm.abft_checks
+    monkeypatch.setattr(
+        pm, "abft_checks", lambda a, enc, **kw: calls.append(enc.abs_sums.shape) or real(a, enc, **kw)
+    )
+    x = jnp.ones((2, 8, 64), jnp.bfloat16)
+    wg, wu, wd = jnp.ones((64, 256)), jnp.ones((64, 256)), jnp.ones((256, 64))
+    jax.make_jaxpr(lambda *a: llama_mlp(*a, dtype=jnp.bfloat16))(x, wg, wu, wd)
+    assert sorted(calls) == [(1, 64, 4), (1, 256, 1)]  # (G, K, blocks): gate + up 2 x 2, down 1
+
+
+def test_protected_matmuls_refuse_mismatched_inputs():
+    x, w = _xw(4, 8, 16)
+    with pytest.raises(ValueError, match=r"protected_matmuls: 2 weights, 1 checksums"):
+        ops.protected_matmuls(x, (w, w), encs=(None,))
+    with pytest.raises(ValueError, match=r"protected_matmuls: 0 weights"):
+        ops.protected_matmuls(x, ())
+    with pytest.raises(TypeError, match=r"protected_matmuls: weights of dtypes \['float32', 'bfloat16'\]"):
+        ops.protected_matmuls(x, (w, w.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"x \(4, 8\) @ w \(9, 16\); expected x \(\.\.\., K\)"):
+        ops.protected_matmuls(x, (w, jnp.ones((9, 16))))

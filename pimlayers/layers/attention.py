@@ -49,7 +49,7 @@ from ..ops._fused_gemm import hopper
 from ..ops._protected_matmul import _to_tap
 from ..ops._rows import row_parallel
 from ._common import check_features, policy_or_default, stock
-from .linear import linear
+from .linear import linear, linears
 from .rope import apply_rope
 
 __all__ = ["ATTENTION_GEMMS", "FLASH_RESIDUALS", "KVCache", "attention_core", "gqa_attention"]
@@ -504,9 +504,14 @@ def gqa_attention(
     b, t, _ = x.shape
     kw = dict(policy=policy, dtype=dtype, precision=precision, layout=layout, tap=tap)
     with jax.named_scope(name):
-        q, rq = linear(x, wq, faults=faults.get("q"), name=f"{name}.q", **kw)
-        k, rk = linear(x, wk, faults=faults.get("k"), name=f"{name}.k", **kw)
-        v, rv = linear(x, wv, faults=faults.get("v"), name=f"{name}.v", **kw)
+        # q, k and v share x: one check GEMM for the three (linears).
+        (q, k, v), rqkv = linears(
+            x,
+            (wq, wk, wv),
+            faults=tuple(faults.get(g) for g in "qkv"),
+            names=tuple(f"{name}.{g}" for g in "qkv"),
+            **kw,
+        )
         q = q.reshape(b, t, num_heads, head_dim)
         k = k.reshape(b, t, num_kv_heads, head_dim)
         v = v.reshape(b, t, num_kv_heads, head_dim)
@@ -546,4 +551,4 @@ def gqa_attention(
         y, ro = linear(
             o.reshape(b, t, num_heads * head_dim), wo, faults=faults.get("o"), name=f"{name}.o", **kw
         )
-    return y, cache, rq + rk + rv + rc + ro
+    return y, cache, rqkv + rc + ro

@@ -9,10 +9,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from ..faults import FaultPolicy, FaultReport
-from ..ops import PimWeights, gate, pim_linear, protected_matmul
+from ..ops import PimWeights, gate, pim_linear, protected_matmul, protected_matmuls
 from ._common import check_features, policy_or_default, promote, stock
 
-__all__ = ["LINEAR_OUTPUT", "linear"]
+__all__ = ["LINEAR_OUTPUT", "linear", "linears"]
 
 # The name every linear layer's product carries (before its bias, protected or not): a
 # rematerialisation policy that saves it (``jax.checkpoint_policies.save_only_these_names``) keeps
@@ -92,6 +92,53 @@ def linear(
             y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
             report = report + FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
         return y, report
+
+
+def linears(
+    x: Float[Array, "*b i"],
+    kernels,
+    *,
+    policy: FaultPolicy | None = None,
+    dtype=None,
+    precision=None,
+    layout: str = "io",
+    faults=None,
+    tap: jax.Array | None = None,
+    names,
+) -> tuple[tuple[Float[Array, "*b o"], ...], FaultReport]:
+    """Several bias-free :func:`linear` layers of one input: ``(ys, report)``, each y exactly what
+    ``linear(x, kernel, ...)`` gives it.
+
+    Where the layers run protected GEMMs (checks on, the XLA backend) they run as one
+    :func:`pimlayers.ops.protected_matmuls`, whose checks read x once for every kernel; otherwise
+    (mode "off", stock or gated) each is its own ``linear``. ``faults``: None or one entry per
+    kernel; ``names``: one per kernel (the layers' named scopes).
+    """
+    policy = policy_or_default(policy)
+    kernels, names = tuple(kernels), tuple(names)
+    faults = (None,) * len(kernels) if faults is None else tuple(faults)
+    if not (len(kernels) == len(names) == len(faults)) or not kernels:
+        raise ValueError(
+            f"pimlayers.linears: {len(kernels)} kernels, {len(names)} names and {len(faults)} fault entries; "
+            f"expected one name and one fault entry (or None) per kernel"
+        )
+    mixed = len({jnp.dtype(k.dtype) for k in kernels}) > 1  # each linear promotes its own pair
+    if layout not in ("io", "oi") or not policy.enabled or len(kernels) == 1 or mixed:
+        kw = dict(policy=policy, dtype=dtype, precision=precision, layout=layout, tap=tap)
+        outs = [linear(x, k, faults=f, name=n, **kw) for k, f, n in zip(kernels, faults, names, strict=True)]
+        report = outs[0][1]
+        for _, r in outs[1:]:
+            report = report + r
+        return tuple(y for y, _ in outs), report
+    for kernel, name in zip(kernels, names, strict=True):
+        check_features(name, x, kernel.shape[0] if layout == "io" else kernel.shape[1])
+    with jax.named_scope(" + ".join(names)):
+        if layout == "io":  # Flax promotes inputs and kernel to one dtype first, as linear does.
+            x, *ws = promote(x, *kernels, dtype=dtype)
+        else:
+            ws = [k.T for k in kernels]
+        ys, report = protected_matmuls(x, ws, policy=policy, faults=faults, tap=tap, precision=precision)
+    return tuple(checkpoint_name(y, LINEAR_OUTPUT) for y in ys), report
 
 
 def _row(bias, ndim: int):

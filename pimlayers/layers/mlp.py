@@ -9,7 +9,7 @@ from jaxtyping import Array, Float
 
 from ..faults import FaultPolicy, FaultReport
 from ._common import policy_or_default
-from .linear import linear
+from .linear import linear, linears
 
 __all__ = ["MLP_GEMMS", "llama_mlp"]
 
@@ -44,7 +44,13 @@ def llama_mlp(
         )
     kw = dict(policy=policy, dtype=dtype, precision=precision, layout=layout, tap=tap)
     with jax.named_scope(name):
-        g, r1 = linear(x, w_gate, faults=faults.get("gate"), name=f"{name}.gate", **kw)
-        u, r2 = linear(x, w_up, faults=faults.get("up"), name=f"{name}.up", **kw)
+        # gate and up share x: one check GEMM for both (linears).
+        (g, u), r12 = linears(
+            x,
+            (w_gate, w_up),
+            faults=(faults.get("gate"), faults.get("up")),
+            names=(f"{name}.gate", f"{name}.up"),
+            **kw,
+        )
         y, r3 = linear(jax.nn.silu(g) * u, w_down, faults=faults.get("down"), name=f"{name}.down", **kw)
-    return y, r1 + r2 + r3
+    return y, r12 + r3

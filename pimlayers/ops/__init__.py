@@ -54,5 +54,6 @@ from ._pim import pim_pack as pim_pack
 from ._protected_matmul import protected_bmm as protected_bmm
 from ._protected_matmul import protected_bmm_grads as protected_bmm_grads
 from ._protected_matmul import protected_matmul as protected_matmul
+from ._protected_matmul import protected_matmuls as protected_matmuls
 from ._protected_matmul import report_from_tap as report_from_tap
 from ._protected_matmul import zero_tap as zero_tap

@@ -57,6 +57,7 @@ __all__ = [
     "protected_bmm",
     "protected_bmm_grads",
     "protected_matmul",
+    "protected_matmuls",
     "report_from_tap",
     "zero_tap",
 ]
@@ -118,8 +119,12 @@ def _checked_gemm(
     role: str = "y",
     a_t: bool = False,
     b_t: bool = False,
+    checks=None,
 ):
     """(G, R, K) @ (G, K, N) -> (out_dtype (G, R, N), FaultReport), per the policy.
+
+    ``checks``: ``(c, mag)`` already formed from ``enc`` by the caller for an ``a`` it has pinned
+    (:func:`_checked_gemms`: one check GEMM for several weights sharing the operand).
 
     ``a_t`` / ``b_t``: the operand is stored transposed, a as (G, K, R), b as (G, N, K) (``enc``
     then comes from ``abft_encode(b, transposed=True)``): the backward's xᵀ and wᵀ are read in place.
@@ -132,14 +137,14 @@ def _checked_gemm(
     """
     g, r, k = a.shape[0], a.shape[2 if a_t else 1], a.shape[1 if a_t else 2]
     n = b.shape[1 if b_t else 2]
-    if policy.enabled and a.dtype != jnp.float32:
+    if policy.enabled and a.dtype != jnp.float32 and checks is None:
         # The GEMM and its checksum must read the same operand. Without the barrier XLA may fuse an
         # operand's producer (e.g. silu(g) * u in bf16) into each consumer separately and drop the
         # bf16 rounding in one of them (convert pairs are simplified away), so the two products
         # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
         # An f32 operand has no rounding to lose, and the barrier costs a copy of it on the CPU.
         a = lax.optimization_barrier(a)
-    if _fused_applies(a, b, policy, out_dtype, impl, a_t, b_t):
+    if checks is None and _fused_applies(a, b, policy, out_dtype, impl, a_t, b_t):
         return _checked_gemm_fused(a, b, enc, policy, faults, precision, role)
     prod = _product_dtype(a, b, out_dtype)
     y = _dot(a, b, precision, a_t, b_t, prod)
@@ -160,7 +165,7 @@ def _checked_gemm(
         fill=policy.gate_fill,
         limit=policy.gate_limit,
     )
-    c, mag = abft_checks(a, enc, transposed=a_t)
+    c, mag = abft_checks(a, enc, transposed=a_t, lam=policy.lam) if checks is None else checks
     _margins.record(role, y, c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     out, flags, counts = _finish(y, c, mag, correct=policy.corrects, **kw)
     in_place, pending, flagged, gated_first = _tally(flags, counts)
@@ -202,6 +207,41 @@ def _checked_gemm(
         nonfinite_gated=gated,
     )
     return out, report
+
+
+def _checked_gemms(
+    a, bs, encs, policy: FaultPolicy, faults, precision, impl, out_dtype, role: str = "y", a_t: bool = False
+):
+    """``_checked_gemm`` of one operand ``a`` against several weights ``bs`` (with their checksums
+    ``encs`` and fault sites ``faults``, one per weight): ``(tuple of products, summed FaultReport)``.
+
+    Each product is checked, corrected and reported as alone, from one check GEMM: ``a`` against
+    every weight's checksum columns side by side, so ``a`` is read once for all their checks rather
+    than once per weight (attention's q, k and v projections share x; the MLP's gate and up do; so
+    do their weight gradients, xᵀ against each dy's checksum columns). The operand is pinned once,
+    so every GEMM and the shared checks read the same value (``_checked_gemm`` says why).
+    """
+    shared = policy.enabled and len(bs) > 1
+    if shared and any(_fused_applies(a, b, policy, out_dtype, impl, a_t, False) for b in bs):
+        shared = False  # the fused kernel forms its own checks
+    checks = [None] * len(bs)
+    if shared:
+        if a.dtype != jnp.float32:
+            a = lax.optimization_barrier(a)
+        nbs = [e.abs_sums.shape[-1] for e in encs]
+        both = WeightChecksums(
+            jnp.concatenate([e.sums for e in encs], axis=-2),
+            jnp.concatenate([e.abs_sums for e in encs], axis=-1),
+        )
+        c, mag = abft_checks(a, both, transposed=a_t, lam=policy.lam)
+        cuts = np.cumsum(nbs)[:-1].tolist()
+        checks = list(zip(jnp.split(c, cuts, axis=-2), jnp.split(mag, cuts, axis=-1), strict=True))
+    outs, report = [], FaultReport.zeros()
+    for b, enc, f, chk in zip(bs, encs, faults, checks, strict=True):
+        y, r = _checked_gemm(a, b, enc, policy, f, precision, impl, out_dtype, role, a_t=a_t, checks=chk)
+        outs.append(y)
+        report = report + r
+    return tuple(outs), report
 
 
 def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tuple[Int32[Array, " g"], ...]:
@@ -365,46 +405,51 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _pmm(a, b, enc, faults, tap, policy, precision, impl, out_dtype):
+def _pmm(a, bs, encs, faults, tap, policy, precision, impl, out_dtype):
+    """``a @ b`` for every weight b of ``bs`` (one operand, checks shared: :func:`_checked_gemms`),
+    with ``encs`` and ``faults`` (None or a (forward, dx, dw) triple of GemmFaults) per weight."""
     del tap
-    fwd_faults = None if faults is None else faults[0]
-    return _checked_gemm(a, b, enc, policy, fwd_faults, precision, impl, out_dtype)
+    fwd_faults = tuple(None if f is None else f[0] for f in faults)
+    return _checked_gemms(a, bs, encs, policy, fwd_faults, precision, impl, out_dtype)
 
 
-def _pmm_fwd(a, b, enc, faults, tap, policy, precision, impl, out_dtype):
-    out = _pmm(a, b, enc, faults, tap, policy, precision, impl, out_dtype)
-    return out, (a, b, enc, faults)
+def _pmm_fwd(a, bs, encs, faults, tap, policy, precision, impl, out_dtype):
+    out = _pmm(a, bs, encs, faults, tap, policy, precision, impl, out_dtype)
+    return out, (a, bs, encs, faults)
 
 
 def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
-    a, b, enc, faults = res
-    dy, _ = cts
+    a, bs, encs, faults = res
+    dys, _ = cts
     del out_dtype
     # The backward GEMMs run on the operands' own dtype with f32 accumulation, as the forward does:
     # bf16 x bf16 products are exact in f32, so the f32 bound holds, and the tensor cores run at
     # bf16 rate (casting to f32 first would run a TF32 or f32 GEMM several times slower).
-    dy = dy.astype(jnp.result_type(a.dtype, b.dtype))
-    if policy.enabled and dy.dtype != jnp.float32:
+    dtype = jnp.result_type(a.dtype, *(b.dtype for b in bs))
+    dys = [dy.astype(dtype) for dy in dys]
+    if policy.enabled and dtype != jnp.float32:
         # dw's checksums are encoded from dy here: the barrier keeps XLA from folding an f32
         # cotangent's rounding to bf16 out of the encode (the forward's operand barrier, for dy).
-        dy = lax.optimization_barrier(dy)
-    f_da = f_db = None
-    if faults is not None:
-        f_da, f_db = faults[1], faults[2]
+        dys = list(lax.optimization_barrier(dys))
+    f_da = [None if f is None else f[1] for f in faults]
+    f_db = [None if f is None else f[2] for f in faults]
     # dx = dy @ wᵀ and dw = xᵀ @ dy read w and x where they lie (transposed operands: a copy of
-    # each, and a strided encode of wᵀ, cost the CPU more than the checks themselves).
-    bb, aa = b.astype(dy.dtype), a.astype(dy.dtype)
-    enc_bt = _encode(bb, policy, transposed=True)
-    da, r_da = _checked_gemm(dy, bb, enc_bt, policy, f_da, precision, impl, a.dtype, "dx", b_t=True)
+    # each, and a strided encode of wᵀ, cost the CPU more than the checks themselves). Each weight's
+    # dx is its own checked GEMM (their dy differ), summed as autodiff sums a shared input's
+    # cotangents; the dw GEMMs share xᵀ, so one check GEMM serves them all.
+    aa = a.astype(dtype)
+    da, r_da = None, FaultReport.zeros()
+    for b, dy, f in zip(bs, dys, f_da, strict=True):
+        bb = b.astype(dtype)
+        enc_bt = _encode(bb, policy, transposed=True)
+        d, r = _checked_gemm(dy, bb, enc_bt, policy, f, precision, impl, a.dtype, "dx", b_t=True)
+        da, r_da = (d if da is None else da + d), r_da + r
     # The reduction over tokens gets its own safety factor (FaultPolicy.lam_dw says why).
     dw_policy = policy.replace(lam=policy.lam_dw)
-    db, r_db = _checked_gemm(
-        aa, dy, _encode(dy, policy), dw_policy, f_db, precision, impl, b.dtype, "dw", a_t=True
-    )
-    zeros_enc = jax.tree.map(jnp.zeros_like, enc)
-    no_faults = (
-        None if faults is None else jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
-    )
+    dy_encs = [_encode(dy, policy) for dy in dys]
+    db, r_db = _checked_gemms(aa, dys, dy_encs, dw_policy, f_db, precision, impl, bs[0].dtype, "dw", a_t=True)
+    zeros_enc = jax.tree.map(jnp.zeros_like, encs)
+    no_faults = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
     return da, db, zeros_enc, no_faults, _to_tap(r_da + r_db)
 
 
@@ -449,29 +494,75 @@ def protected_matmul(
         on a Hopper GPU a bf16 forward runs the fused kernel, ``_fused_gemm``, where its shapes
         tile), "native" (the GEMM, then the native check pass over y) or "reference" (pure JAX).
     """
-    check_float("protected_matmul", "x", x)
-    check_float("protected_matmul", "w", w)
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    (y,), report = _matmuls("protected_matmul", x, (w,), (enc,), policy, (faults,), tap, precision, impl)
+    return y, report
+
+
+def protected_matmuls(
+    x,
+    ws,
+    encs=None,
+    *,
+    policy: FaultPolicy | None = None,
+    faults=None,
+    tap: jax.Array | None = None,
+    precision=None,
+    impl: str = "auto",
+):
+    """``x @ w`` for each weight of ``ws``, each verified, corrected and reported as by
+    :func:`protected_matmul`, with one check GEMM for all of them. Returns ``(ys, report)``.
+
+    For projections of one input (attention's q, k and v; the MLP's gate and up): x is read once
+    for every product's checks (x against the weights' checksum columns side by side), and in the
+    backward once for every weight gradient's (xᵀ against each dy's). The products themselves stay
+    separate GEMMs: no weight is copied. ``ws``: (K, N_i) weights of one dtype; ``encs``: None or a
+    sequence of ``abft_encode(w, policy.block_n)`` (None entries encode on the fly); ``faults``:
+    None or a sequence with one entry per weight, each as :func:`protected_matmul` takes it.
+    ``report`` sums the products' (each counts as one GEMM checked).
+    """
+    ws = tuple(ws)
+    n = len(ws)
+    encs = (None,) * n if encs is None else tuple(encs)
+    faults = (None,) * n if faults is None else tuple(faults)
+    if n == 0 or len(encs) != n or len(faults) != n:
         raise ValueError(
-            f"pimlayers.protected_matmul: x {tuple(x.shape)} @ w {tuple(w.shape)}; expected x (..., K) and "
-            f"w (K, N) with the same K"
+            f"pimlayers.protected_matmuls: {n} weights, {len(encs)} checksums and {len(faults)} fault "
+            f"entries; expected at least one weight and one checksum and fault entry (or None) per weight"
         )
-    k, n = w.shape
-    out_dtype = jnp.result_type(x.dtype, w.dtype)
-    policy, precision, faults, tap = _prepare(policy, out_dtype, precision, faults, tap)
-    if enc is None:
-        enc = abft_encode(w, policy.block_n)
-    nb = 0 if n == 0 else -(-n // (n if policy.block_n is None else policy.block_n))
-    if enc.sums.shape != (k, nb, 2) or enc.abs_sums.shape != (k, nb):
-        raise ValueError(
-            f"pimlayers.protected_matmul: checksum columns have shapes {tuple(enc.sums.shape)} / "
-            f"{tuple(enc.abs_sums.shape)}; expected ({k}, {nb}, 2) / ({k}, {nb}) — re-encode w with "
-            f"abft_encode(w, block_n={policy.block_n})"
-        )
-    with jax.named_scope("pimlayers.protected_matmul"):
-        enc1 = WeightChecksums(enc.sums[None], enc.abs_sums[None])
-        y, report = _pmm(x.reshape(1, -1, k), w[None], enc1, faults, tap, policy, precision, impl, out_dtype)
-    return y.reshape(*x.shape[:-1], n), report
+    return _matmuls("protected_matmuls", x, ws, encs, policy, faults, tap, precision, impl)
+
+
+def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
+    check_float(op, "x", x)
+    for i, w in enumerate(ws):
+        check_float(op, "w" if len(ws) == 1 else f"ws[{i}]", w)
+        if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+            raise ValueError(
+                f"pimlayers.{op}: x {tuple(x.shape)} @ w {tuple(w.shape)}; expected x (..., K) and "
+                f"w (K, N) with the same K"
+            )
+    if len({jnp.dtype(w.dtype) for w in ws}) != 1:
+        raise TypeError(f"pimlayers.{op}: weights of dtypes {[str(w.dtype) for w in ws]}; expected one dtype")
+    k = x.shape[-1]
+    out_dtype = jnp.result_type(x.dtype, ws[0].dtype)
+    prepared = [_prepare(policy, out_dtype, precision, f, tap) for f in faults]
+    policy, precision, _, tap = prepared[0]
+    faults = tuple(p[2] for p in prepared)
+    encs = tuple(abft_encode(w, policy.block_n) if e is None else e for w, e in zip(ws, encs, strict=True))
+    for w, enc in zip(ws, encs, strict=True):
+        n = w.shape[1]
+        nb = 0 if n == 0 else -(-n // (n if policy.block_n is None else policy.block_n))
+        if enc.sums.shape != (k, nb, 2) or enc.abs_sums.shape != (k, nb):
+            raise ValueError(
+                f"pimlayers.{op}: checksum columns have shapes {tuple(enc.sums.shape)} / "
+                f"{tuple(enc.abs_sums.shape)}; expected ({k}, {nb}, 2) / ({k}, {nb}) — re-encode w with "
+                f"abft_encode(w, block_n={policy.block_n})"
+            )
+    with jax.named_scope(f"pimlayers.{op}"):
+        encs1 = tuple(WeightChecksums(e.sums[None], e.abs_sums[None]) for e in encs)
+        ws1 = tuple(w[None] for w in ws)
+        ys, report = _pmm(x.reshape(1, -1, k), ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
+    return tuple(y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)), report
 
 
 def protected_bmm(
@@ -509,7 +600,7 @@ def protected_bmm(
     a3, b3 = a.reshape(g, r, k), b.reshape(g, k, n)
     with jax.named_scope("pimlayers.protected_bmm"):
         enc = _encode(b3, policy)
-        y, report = _pmm(a3, b3, enc, faults, tap, policy, precision, impl, jnp.dtype(out_dtype))
+        (y,), report = _pmm(a3, (b3,), (enc,), (faults,), tap, policy, precision, impl, jnp.dtype(out_dtype))
     return y.reshape(*lead, r, n), report
 
 
@@ -541,9 +632,9 @@ def protected_bmm_grads(
     operands = jnp.result_type(a.dtype, b.dtype)
     policy, precision, faults, _ = _prepare(policy, operands, precision, faults, None)
     g = int(np.prod(lead, dtype=np.int64))
-    res = (a.reshape(g, r, k), b.reshape(g, k, n), None, faults)
+    res = (a.reshape(g, r, k), (b.reshape(g, k, n),), (None,), (faults,))
     with jax.named_scope("pimlayers.protected_bmm_grads"):
-        da, db, _, _, tap = _pmm_bwd(policy, precision, impl, None, res, (dy.reshape(g, r, n), None))
+        da, (db,), _, _, tap = _pmm_bwd(policy, precision, impl, None, res, ((dy.reshape(g, r, n),), None))
     return da.reshape(a.shape), db.reshape(b.shape), report_from_tap(tap)
 
 
