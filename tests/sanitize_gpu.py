@@ -4,6 +4,13 @@
     compute-sanitizer --tool memcheck --kernel-name "$K" --error-exitcode 7 python tests/sanitize_gpu.py
     compute-sanitizer --tool racecheck --kernel-name "$K" --error-exitcode 7 python tests/sanitize_gpu.py
 
+or one case per process (``--count`` prints how many there are, ``--case I`` runs the I-th, from 1),
+so that the tool crashing in one case (below) leaves the others' verdicts standing:
+
+    n=$(python tests/sanitize_gpu.py --count)
+    seq "$n" | xargs -P 4 -I{} sh -c 'compute-sanitizer --tool memcheck --kernel-name "$K" \
+        --error-exitcode 7 python tests/sanitize_gpu.py --case {} > memcheck-{}.log 2>&1; echo "{} rc=$?"'
+
 (XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
 buffer's end is not hidden inside XLA's pool.) The Pallas Mosaic-GPU flash attention kernel (Hopper)
 and its backward kernels have their own cases, run with ``python tests/sanitize_gpu.py flash`` (or
@@ -45,14 +52,9 @@ def flash_cases(which: str = "") -> list:
     return {"fwd": fwd, "bwd": bwd}.get(which, fwd + bwd)
 
 
-def main() -> None:
-    gpu = jax.devices("cuda")[0]
-    if sys.argv[1:2] == ["flash"]:
-        for i, (fn, args) in enumerate(cases := flash_cases(*sys.argv[2:3])):
-            fn(*args)
-            print(f"{i + 1}/{len(cases)} {fn.__name__}{tuple(str(a) for a in args[1:])} ok", flush=True)
-        return
-    cases = [
+def handler_cases(gpu) -> list:
+    """The CUDA handlers' cases (tests/test_gpu.py's and tests/test_gpu_memory.py's tests) on ``gpu``."""
+    return [
         *[(T.test_gate, (gpu, d, n)) for d in (jnp.float32, jnp.bfloat16) for n in (7, 4097)],
         *[
             (T.test_checksums_parity_reconstruct, (gpu, d, 4097, b))
@@ -76,14 +78,49 @@ def main() -> None:
             (TM.test_pim_gemv_cuda_matches_reference, (gpu, jnp.float32, t, k, n, b))
             for t, k, n, b in ((3, 37, 50, 8), (1, 4096, 1000, 16))
         ],
+        *[
+            (T.test_abft_encode, (gpu, d, s, t))
+            for d in (jnp.float32, jnp.bfloat16)
+            for s in ((7, 129), (3, 65, 300), (2, 130, 256), (2048, 64))
+            for t in (False, True)
+        ],
+        (T.test_abft_encode, (gpu, jnp.float16, (3, 65, 300), True)),
+        (T.test_abft_encode_native_refuses_bad_input, (gpu,)),
         # Last: on 2026-12-01 (H200, compute-sanitizer of CUDA 13) the tool itself segfaulted at the
         # first of these, under memcheck and racecheck, even with these kernels left uninstrumented.
         *[(T.test_bank_guard_and_verify_many, (gpu, 9, b, g)) for b, g in ((16, 3), (4096, 8), (4112, 11))],
     ]
+
+
+def main(argv: list[str]) -> None:
+    """``[flash [fwd|bwd]] [--count | --case I]``: the handlers' cases (or the flash kernels'), all
+    of them, how many there are, or the I-th alone (from 1)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python tests/sanitize_gpu.py")
+    ap.add_argument(
+        "kernels", nargs="*", help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels"
+    )
+    one = ap.add_mutually_exclusive_group()
+    one.add_argument("--count", action="store_true", help="print the number of cases and stop")
+    one.add_argument("--case", type=int, help="run only this case (from 1)")
+    a = ap.parse_args(argv)
+    if a.kernels[:1] == ["flash"] and len(a.kernels) <= 2 and a.kernels[1:] in ([], ["fwd"], ["bwd"]):
+        cases = flash_cases(*a.kernels[1:])
+    elif not a.kernels:  # (counting needs no GPU)
+        cases = handler_cases(None if a.count else jax.devices("cuda")[0])
+    else:
+        ap.error(f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd' or 'flash bwd'")
+    if a.count:
+        print(len(cases))
+        return
+    if a.case is not None and not 1 <= a.case <= len(cases):
+        ap.error(f"--case {a.case}; expected 1 to {len(cases)}")
     for i, (fn, args) in enumerate(cases):
-        fn(*args)
-        print(f"{i + 1}/{len(cases)} {fn.__name__}{tuple(str(a) for a in args[1:])} ok", flush=True)
+        if a.case in (None, i + 1):
+            fn(*args)
+            print(f"{i + 1}/{len(cases)} {fn.__name__}{tuple(str(x) for x in args[1:])} ok", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
