@@ -121,10 +121,11 @@ def encode_transposed_gemm(w: Float[Array, "*g n k"], block_n: int | None = None
     128-row blocks). Exact where the reduction is: the weights t + 1 <= 256 are exact in bf16 and
     f16, so every product is exact in the f32 accumulator; only the order of the f32 additions
     differs. For bf16/f16 w and blocks of at most 256 rows; anything else takes the reduction.
-    ``abft_encode(..., transposed=True)`` runs it where "auto" takes no native encode (the GPU, for
-    now: ``_ENCODE_NATIVE_ON``): on an H200 a 4096 x 14336 bf16 weight's transposed encode took
-    0.083 ms against the reduction's 0.230 (128-row blocks; 4096 x 1024: 0.055 against 0.061),
-    ``python -m benchmarks.run --suite matmul-parts``, 2026-12-02.
+    ``abft_encode(..., transposed=True)`` runs it where "auto" finds no native encode (a GPU build
+    without the CUDA module; the handler itself was faster still, ``_ENCODE_NATIVE_ON``): on an H200
+    a 4096 x 14336 bf16 weight's transposed encode took 0.083 ms against the reduction's 0.230
+    (128-row blocks; 4096 x 1024: 0.055 against 0.061), ``python -m benchmarks.run --suite
+    matmul-parts``, 2026-12-02.
     """
     n = w.shape[-2]
     bn, nb = _blocks(n, block_n)
@@ -161,13 +162,14 @@ def _materialised(sums):
     return lax.optimization_barrier(sums)
 
 
-# The platforms where abft_encode's impl="auto" calls the native handler. The CUDA handler
-# (csrc/abft_encode.cu: one pass over w, the sums written in their final layout) exists and is
-# tested against the reference (tests/test_gpu.py, impl="native"), but the GPU keeps XLA's
-# reductions and the transposed GEMM encode until the handler is measured faster there on an H200
-# (``python -m benchmarks.run --suite matmul-parts``: encode_native_ms and
-# encode_transposed_native_ms beside encode_ms and encode_transposed_ms); then ("cpu", "cuda").
-_ENCODE_NATIVE_ON: tuple[str, ...] = ("cpu",)
+# The platforms where abft_encode's impl="auto" calls the native handler. On an H200 the CUDA
+# handler (csrc/abft_encode.cu: one pass over w, the sums written in their final layout) beat XLA's
+# encodes at every shape timed (128-column blocks, bf16: 4096 x 14336 0.057 ms against 0.071, its
+# transposed encode 0.052 against the GEMM encode's 0.082; 4096 x 1024 0.038 against 0.044 and
+# 0.063 against 0.069; ``python -m benchmarks.run --suite matmul-parts``, 2026-12-02), and in the
+# 4-layer Llama-3-8B-dimension training step the encodes' kernels took 2.27 ms per step against
+# 3.54 (benchmarks.profile; the step's time itself moved by less than its run-to-run spread).
+_ENCODE_NATIVE_ON: tuple[str, ...] = ("cpu", "cuda")
 
 
 def _encode_native(w, block_n: int | None, transposed: bool) -> WeightChecksums:
@@ -197,13 +199,12 @@ def abft_encode(
     the forward's w): the sums are those of its transpose, read from w in place, so no transpose is
     materialised (on the CPU that copy cost more than the GEMM's checks).
 
-    The sums carry no gradient (``stop_gradient``). Native on the CPU, one pass over w: XLA's CPU
-    reductions took 0.13-1.2 ms there where the GEMM they protect took ~0.7 (2026-11-30). The GPU
-    keeps XLA's reductions (``impl="auto"``), except for a transposed bf16/f16 w, whose sums there
-    are two skinny GEMMs (:func:`encode_transposed_gemm`, 2.8x faster at 4096 x 14336 on an H200).
-    The CUDA handler runs with ``impl="native"``; ``"auto"`` takes it where ``_ENCODE_NATIVE_ON``
-    lists the platform (not yet the GPU: it is not yet measured there). ``impl="reference"`` is the
-    plain reduction everywhere.
+    The sums carry no gradient (``stop_gradient``). Native on the CPU and the GPU, one pass over w:
+    XLA's CPU reductions took 0.13-1.2 ms there where the GEMM they protect took ~0.7 (2026-11-30);
+    on an H200 the CUDA handler beat XLA's reductions and the GEMM encode (``_ENCODE_NATIVE_ON``
+    has the figures). Where no native handler is built, "auto" takes XLA's reductions, or for a
+    transposed bf16/f16 w two skinny GEMMs (:func:`encode_transposed_gemm`, 2.8x faster than the
+    reduction at 4096 x 14336 on an H200). ``impl="reference"`` is the plain reduction everywhere.
     """
     check_float("abft_encode", "w", w)
     if w.ndim < 2:
@@ -216,7 +217,7 @@ def abft_encode(
     else:  # w's rows are its sums' rows: each device encodes its own (dy's rows are tokens in dw)
         rows = row_parallel(lambda v: tuple(_encode_native(v, block_n, False)), (1,), (2, 1))
         native = lambda v: WeightChecksums(*rows(v))
-    if transposed and impl == "auto":  # where "auto" takes no native encode (the GPU, for now)
+    if transposed and impl == "auto":  # where "auto" finds no native encode
         fallback = lambda v: encode_transposed_gemm(v, block_n)
     else:
         fallback = lambda v: abft_encode_reference(v, block_n, transposed)
@@ -315,9 +316,10 @@ def _check_terms(k: int, lam: float | None) -> tuple[int, int, float]:
     √n + 2 >= 3): λ·(√K + 3) >= 2^8·8, which the weight gradients' λ = 64 meets from K = 841 and
     the default λ = 8 only beyond K = 64000. mag is then raised by that share, so the bound covers
     c's error: at most 1/8 looser than with f32-accurate checks. mag itself only scales the bound:
-    one term (rest <= 2^-8) raised by 2^-7, twice the shortfall, stays an upper scale (what is
-    left, ~2^-9, also covers mag's own f32 summation). Without ``lam``: three and two terms,
-    unscaled (f32-accurate).
+    one bf16 term of the absolute sums raised by 2^-7 (the scale applies to those small columns,
+    before their term is taken, not to mag) is at least (1 + 2^-7)(1 - 2^-8) > 1 + 2^-9 times the
+    sums, so mag stays an upper scale (the 2^-9 also covers mag's own f32 summation). Without
+    ``lam``: three and two terms, unscaled (f32-accurate).
     """
     if lam is None:
         return 3, 2, 1.0
@@ -344,8 +346,8 @@ def _checks_reference(x, enc: WeightChecksums, transposed: bool, lam: float | No
         # of the protected GEMM's own work; 7, or 5 for the weight gradients, given λ).
         c_terms, mag_terms, scale = _check_terms(k, lam)
         c = _split_dot(x, sums, c_terms, transposed).reshape(*lead, rows, nb, 2)
-        mag = _split_dot(jnp.abs(x), enc.abs_sums, mag_terms, transposed)
-        return c, mag if scale == 1.0 else mag * jnp.float32(scale)
+        abs_sums = enc.abs_sums if scale == 1.0 else enc.abs_sums * jnp.float32(scale)  # (K, nb): small
+        return c, _split_dot(jnp.abs(x), abs_sums, mag_terms, transposed)
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
     c = _dot_x(xf, sums, transposed, precision=hi).reshape(*lead, rows, nb, 2)
