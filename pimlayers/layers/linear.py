@@ -106,8 +106,8 @@ def linears(
     tap: jax.Array | None = None,
     names,
 ) -> tuple[tuple[Float[Array, "*b o"], ...], FaultReport]:
-    """Several bias-free :func:`linear` layers of one input: ``(ys, report)``, each y exactly what
-    ``linear(x, kernel, ...)`` gives it.
+    """Several bias-free :func:`linear` layers of one input: ``(ys, report)``, each y computed as
+    ``linear(x, kernel, ...)`` computes it, the report their sum.
 
     Where the layers run protected GEMMs (checks on, the XLA backend) they run as one
     :func:`pimlayers.ops.protected_matmuls`, whose checks read x once for every kernel; otherwise
