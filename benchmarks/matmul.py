@@ -107,10 +107,13 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     """Where a protected forward GEMM's time goes: each stage timed alone, then together.
 
     plain (XLA, output in the operands' dtype, which the protected GEMM now writes too), the encode
-    of w's checksum columns and of wᵀ's (the backward's, from w in place; ``encode_transposed_gemm``
-    the same sums as GEMMs against a block matrix, checked equal first; ``encode_native`` and
-    ``encode_transposed_native`` the native handler with ``impl="native"``, checked against the
-    reference first, None where the platform has no native encode), the checks
+    of w's checksum columns and of wᵀ's (the backward's, from w in place) by XLA's reductions
+    (``impl="reference"``; the files up to 2026-12-02's ``matmul-parts-encnative`` timed "auto":
+    on a GPU the reductions, and for wᵀ from 306a73c on the GEMM encode),
+    ``encode_transposed_gemm`` the same sums as GEMMs against a block matrix (checked equal first),
+    ``encode_native`` and ``encode_transposed_native`` the native handler with ``impl="native"``
+    (what "auto" takes where there is one; checked against the reference first, None where the
+    platform has none), the checks
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
@@ -142,15 +145,15 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             fns = {
                 "plain": (jax.jit(jnp.matmul), (x, w)),
                 # w's checksum columns (encode on write) and those of wᵀ (the backward's dx check,
-                # encoded from w on the fly every step)
-                "encode": (jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn)), (w,)),
+                # encoded from w on the fly every step), by XLA's reductions
+                "encode": (jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn, impl="reference")), (w,)),
                 "encode_transposed": (
-                    jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn, transposed=True)),
+                    jax.jit(lambda ww, bn=bn: ops.abft_encode(ww, bn, transposed=True, impl="reference")),
                     (w,),
                 ),
-                # the same sums as two GEMMs against a block matrix (not the default yet)
+                # the same sums as two GEMMs against a block matrix ("auto" without a native encode)
                 "encode_transposed_gemm": (jax.jit(lambda ww, bn=bn: encode_transposed_gemm(ww, bn)), (w,)),
-                # the native encodes (on a GPU the CUDA handler, not the default yet: _ENCODE_NATIVE_ON)
+                # the native encodes ("auto" where the platform has them: _ENCODE_NATIVE_ON)
                 **(_native_encodes(w, bn) if native else {}),
                 "checks": (jax.jit(ops.abft_checks), (x, enc)),
                 "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
