@@ -249,7 +249,7 @@ def test_a_second_error_hiding_behind_a_huge_one_is_not_corrected_away(impl, op)
     ("shape", "block_n"), [((2, 33, 100), 16), ((70, 1), None), ((3, 5, 7), 4), ((0, 8), 4)]
 )
 def test_native_encode_matches_the_reference(transposed, dtype, shape, block_n):
-    with jax.default_device(jax.devices("cpu")[0]):  # a CPU handler only (GPUs keep XLA's reductions)
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler (tests/test_gpu.py: the CUDA one)
         _native_encode_matches_the_reference(transposed, dtype, shape, block_n)
 
 
