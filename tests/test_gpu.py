@@ -103,9 +103,9 @@ def _exact_encode(w, block_n, transposed):
 
 # abft_encode's CUDA handler (impl="native"; also what "auto" takes on a GPU, _ENCODE_NATIVE_ON).
 # Both layouts, each on its vector path (16-byte packs: (64, 1024), (2, 130, 256), (2048, 64); f32
-# also (3, 65, 300) transposed) and its scalar one (widths that are not whole packs: rows starting off 16-byte boundaries), partial last
-# blocks, a leading group axis, whole-row blocks of a tall w (the transposed kernel's narrowest
-# column chunks) and empty inputs.
+# also (3, 65, 300) transposed) and its scalar one (widths that are not whole packs: rows starting
+# off 16-byte boundaries), partial last blocks, a leading group axis, whole-row blocks of a tall w
+# (the transposed kernel's narrowest column chunks) and empty inputs.
 ENCODE_SHAPES = [(7, 129), (257, 4097), (3, 65, 300), (64, 1024), (2, 130, 256), (2048, 64), (0, 8), (5, 0)]
 
 
