@@ -373,13 +373,13 @@ void EncodeBlocksOfRows(const EncodeIo& io, int64_t u0, int64_t u1) {
 }
 
 template <FloatKind KI>
-void RunEncode(const EncodeIo& io, bool transposed, int64_t groups, ffi::ThreadPool* pool) {
-  const int64_t values = groups * io.k * io.n;
+void RunEncode(const EncodeIo& io, bool transposed, ffi::ThreadPool* pool) {
+  const int64_t values = io.groups * io.k * io.n;
   if (transposed) {
-    ParallelUnits(pool, groups * io.nb, values,
+    ParallelUnits(pool, io.groups * io.nb, values,
                   [io](int64_t u0, int64_t u1) { EncodeBlocksOfRows<KI>(io, u0, u1); });
   } else {
-    ParallelUnits(pool, groups * io.k, values,
+    ParallelUnits(pool, io.groups * io.k, values,
                   [io](int64_t r0, int64_t r1) { EncodeRows<KI>(io, r0, r1); });
   }
 }
@@ -393,13 +393,13 @@ ffi::Error AbftEncodeCpu(ffi::ThreadPool pool, ffi::AnyBuffer w, int64_t block_n
   if (io.groups * io.k * io.nb == 0) return ffi::Error::Success();
   switch (io.kind) {
     case FloatKind::kF32:
-      RunEncode<FloatKind::kF32>(io, transposed, io.groups, &pool);
+      RunEncode<FloatKind::kF32>(io, transposed, &pool);
       break;
     case FloatKind::kBF16:
-      RunEncode<FloatKind::kBF16>(io, transposed, io.groups, &pool);
+      RunEncode<FloatKind::kBF16>(io, transposed, &pool);
       break;
     case FloatKind::kF16:
-      RunEncode<FloatKind::kF16>(io, transposed, io.groups, &pool);
+      RunEncode<FloatKind::kF16>(io, transposed, &pool);
       break;
   }
   return ffi::Error::Success();
