@@ -7,6 +7,8 @@
 // output), y is only read, and a block is written only where a value is corrected or gated. The
 // warp kernel covers every other shape: one warp per (row, column block), as simple as the CPU
 // loop.
+#include <cstdlib>
+
 #include "abft.h"
 #include "cuda_util.h"
 
@@ -339,6 +341,150 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocks)
   }
 }
 
+// The tile kernel: blocks of exactly 128 columns checked in place (every bf16 product of the
+// training step). y is then a run of rows * nb tiles of 128 values, tile t being column block t of
+// the checks: a plain stream, with nothing to gather per row. Each 8-lane group sums one tile, each
+// warp kChunks chunks of 4 consecutive tiles (1 KB of bf16 per chunk), every load (y, and each
+// tile's checks on its group's first lane) issued before any sum. The first lane decides its tile
+// at once: no shared memory, no barriers, so no CTA stops streaming to decide (the row kernel's
+// per-CTA decide phase leaves its loads idle). A tile whose decision is not "clean" at first
+// sight, or that holds a non-finite value or one past the gate's limit, goes to DecideBlock, out of
+// line, with the row kernel's sums, so both kernels decide identically.
+constexpr int kTileThreads = 256;
+constexpr int kTileMinBlocks = 3;  // <= 85 registers: 768 lanes x 128 bytes in flight per SM
+
+// The careful sums of one tile, by one thread in f64 (non-finite values left out and located,
+// values the gate will replace counted): the rare path, as the warp kernel sums a block.
+__device__ __noinline__ LaneSums CarefulTile(const AbftIo& io, const GateSpec& g, int64_t t) {
+  LaneSums r{0, 0, 0, 0, -1, 0};
+  for (int j = 0; j < 128; ++j) {
+    const float v = LoadF(io.y, t * 128 + j, io.in_kind);
+    GateCast(v, io.out_kind, g, &r.dropped);
+    if (!IsFiniteF(v)) {
+      ++r.nonfinite;
+      r.loc = j;
+      continue;
+    }
+    r.s1 += v;
+    r.s2 += static_cast<double>(j) * v;  // 0-based weights, as LaneSums keeps them
+    r.sa += fabs(static_cast<double>(v));
+  }
+  return r;
+}
+
+// Value i (0..15, a compile-time index after unrolling) of a lane's 16 values of type T.
+template <typename T>
+__device__ __forceinline__ float TileValue(const Raw16<kValueBytes<T>>& r, int i) {
+  const uint4& q = r.q[i * kValueBytes<T> / 16];
+  const int c = (i * kValueBytes<T> / 4) % 4;
+  const uint32_t w = c == 0 ? q.x : c == 1 ? q.y : c == 2 ? q.z : q.w;
+  return ToF32<T>(kValueBytes<T> == 2 && i % 2 ? w >> 16 : w);
+}
+
+// The rare tiles of a warp's chunks: their decisions, corrections and gating (DecideBlock), the
+// careful sums first where a tile holds a non-finite value, one past the gate's limit, or sums
+// that overflowed. Out of line, after the stream, so the calls spill nothing the stream holds.
+__device__ __noinline__ void RareTiles(const AbftIo& io, const AbftParams& p, const GateSpec& g,
+                                       const LaneSums* sums, unsigned todo, unsigned careful,
+                                       int64_t first, int chunks) {
+  for (int u = 0; u < chunks; ++u) {
+    if (!(todo >> u & 1u)) continue;
+    const int64_t t = first + 4 * u;
+    const LaneSums s = careful >> u & 1u ? CarefulTile(io, g, t) : sums[u];
+    DecideBlock(io, p, g, false, &s, t / io.nb, t % io.nb);
+  }
+}
+
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
+    AbftTileKernel(AbftIo io, AbftParams p, GateSpec g, float coef) {
+  const int lane = threadIdx.x & 31, glane = lane % kGroup, group = lane / kGroup;
+  const int64_t tiles = io.rows * io.nb;
+  const float limit = g.on ? g.limit : INFINITY;
+  // One pass per warp, no grid-stride loop: with a loop around it (and the call below in it)
+  // ptxas kept the loads in flight on the stack (nvcc 13.0, sm_90).
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kTileThreads + threadIdx.x) / 32;
+  const int64_t first = warp * kChunks * 4 + group;  // this group's tile in chunk 0
+  Raw16<kValueBytes<T>> raw[kChunks];
+  float2 c[kChunks];
+  float mag[kChunks];
+#pragma unroll
+  for (int u = 0; u < kChunks; ++u) {
+    const int64_t t = first + 4 * u;
+    if (t < tiles) {
+      raw[u] = LoadRaw16<kValueBytes<T>>(io.y, t * 128 + glane * 16);
+      if (glane == 0) {
+        c[u] = __ldg(reinterpret_cast<const float2*>(io.checks) + t);
+        mag[u] = __ldg(io.mag + t);
+      }
+    }
+  }
+  LaneSums rare[kChunks];  // the rare tiles' sums (a stack array, written on the rare path)
+  // Bit u: chunk u's tile goes to RareTiles (careful: its sums are taken again).
+  unsigned todo = 0, careful = 0;
+#pragma unroll
+  for (int u = 0; u < kChunks; ++u) {
+    const int64_t t = first + 4 * u;
+    if (t - group >= tiles) break;  // warp-uniform: no tile of this chunk exists
+    const bool live = t < tiles;
+    float a1 = 0, a2 = 0, aa = 0, mx = 0;
+    if (live) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float v = TileValue<T>(raw[u], i);
+        a1 += v;
+        a2 = fmaf(static_cast<float>(i), v, a2);
+        aa += fabsf(v);
+        mx = fmaxf(mx, fabsf(v));
+      }
+    }
+    // 16 terms in f32 per lane, then 8 lanes: as the row kernel sums a clean tile (SumLane).
+    const float s1 = GroupSum(a1), s2 = GroupSum(fmaf(static_cast<float>(glane * 16), a1, a2));
+    const float sa = GroupSum(aa);
+    const bool lane_slow = !(IsFiniteF(a1) && IsFiniteF(a2) && IsFiniteF(aa) && mx <= limit);
+    const unsigned slow = __ballot_sync(0xffffffffu, lane_slow) >> (group * kGroup) & 0xffu;
+    if (!live || glane != 0) continue;
+    if (slow != 0 || !(IsFiniteF(s1) && IsFiniteF(s2) && IsFiniteF(sa))) {
+      todo |= 1u << u;
+      careful |= 1u << u;
+      continue;
+    }
+    // AbftDecide's clean case, inline and free of calls (the rest runs in RareTiles: a call
+    // here would spill the loads in flight): the block's weights are j + 1, so its weighted sum
+    // is s2 + s1.
+    const float b1 = coef * mag[u] + p.u_y * sa;  // AbftBound, its square roots hoisted
+    const double r1 = static_cast<double>(s1) - c[u].x;
+    const double r2 = static_cast<double>(s2) + static_cast<double>(s1) - c[u].y;
+    if (IsFiniteF(c[u].x) && IsFiniteF(c[u].y) && IsFiniteF(mag[u]) && fabs(r1) <= b1 &&
+        fabs(r2) <= 128.0 * b1) {
+      io.flags[t] = kAbftClean;
+      if (io.counts != nullptr) io.counts[t] = 0;
+    } else {
+      rare[u] = LaneSums{s1, s2, sa, 0, -1, 0};
+      todo |= 1u << u;
+    }
+  }
+  if (todo != 0) RareTiles(io, p, g, rare, todo, careful, first, kChunks);
+}
+
+template <typename T>
+constexpr int kTileChunks = 128 / (16 * kValueBytes<T>);  // 128 bytes of y in flight per lane
+
+// The tile kernel's grid: one CTA per kTileThreads / 32 warps' chunks (it has no grid-stride loop).
+template <typename T>
+int64_t TileGrid(const AbftIo& io) {
+  return CeilDiv(io.rows * io.nb, int64_t{kTileThreads / 32} * kTileChunks<T> * 4);
+}
+
+template <typename T>
+void LaunchTileKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p,
+                      const GateSpec& g) {
+  // AbftBound's factor of mag, as it forms it (sqrtf is correctly rounded on host and device).
+  const float coef = p.lam * p.u * (sqrtf(static_cast<float>(p.k)) + sqrtf(128.0f) + 2.0f);
+  AbftTileKernel<T, kTileChunks<T>>
+      <<<static_cast<unsigned>(TileGrid<T>(io)), kTileThreads, 0, stream>>>(io, p, g, coef);
+}
+
 template <int kBytes, bool kWriteAll>
 void LaunchRowKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p, const GateSpec& g,
                      int64_t rows_per_cta, size_t smem) {
@@ -358,7 +504,16 @@ ffi::Error RunAbftCuda(cudaStream_t stream, const AbftIo& io, const AbftParams& 
       ((reinterpret_cast<uintptr_t>(io.y) | reinterpret_cast<uintptr_t>(io.out)) % 16) == 0;
   const bool row_kernel =
       io.block_n % 128 == 0 && io.n_all % 128 == 0 && aligned && smem <= 48 * 1024;
-  if (row_kernel) {
+  // PIMLAYERS_ABFT_ROW_KERNEL (any value) keeps 128-column blocks on the row kernel: for timing
+  // the two side by side (`python -m benchmarks.run --suite finish`).
+  static const bool row_only = std::getenv("PIMLAYERS_ABFT_ROW_KERNEL") != nullptr;
+  // (y of 2^38 values or more, past the tile kernel's grid, goes to the row kernel too.)
+  if (row_kernel && io.block_n == 128 && !write_all && !row_only &&
+      TileGrid<float>(io) <= 0x7fffffff) {
+    if (io.in_kind == FloatKind::kF32) LaunchTileKernel<float>(stream, io, p, g);
+    if (io.in_kind == FloatKind::kBF16) LaunchTileKernel<Bf16>(stream, io, p, g);
+    if (io.in_kind == FloatKind::kF16) LaunchTileKernel<F16>(stream, io, p, g);
+  } else if (row_kernel) {
     const bool wide = io.in_kind == FloatKind::kF32;
     if (wide && write_all) LaunchRowKernel<4, true>(stream, io, p, g, rows_per_cta, smem);
     if (wide && !write_all) LaunchRowKernel<4, false>(stream, io, p, g, rows_per_cta, smem);

@@ -27,10 +27,6 @@
 // check's bound already allows for f32 check sums (its sqrt(n) term). A non-finite weight makes its
 // sums non-finite (the weights start at 1: no 0 * inf), as in the reference; the check then reports
 // the GEMM, it never trusts it.
-#include <cuda_fp16.h>
-
-#include <type_traits>
-
 #include "abft.h"
 #include "cuda_util.h"
 
@@ -46,43 +42,21 @@ constexpr int kLoads = 4;  // packs a lane has in flight before it sums any (4 x
 constexpr int kBlocksPerSm = 4;
 static_assert(kWarps == 8, "the transposed kernel's tiling takes 8 warps (bpc = 8 >> wpb_log2)");
 
-struct Bf16 {};
-struct F16 {};
-
-template <typename T>
-constexpr int kBytes = std::is_same<T, float>::value ? 4 : 2;
-
-// A value's f32 from its bits (the low 16 bits for bf16/f16; higher bits are ignored): exact.
-template <typename T>
-__device__ __forceinline__ float ToF32(uint32_t bits);
-template <>
-__device__ __forceinline__ float ToF32<float>(uint32_t bits) {
-  return __uint_as_float(bits);
-}
-template <>
-__device__ __forceinline__ float ToF32<Bf16>(uint32_t bits) {
-  return __uint_as_float(bits << 16);
-}
-template <>
-__device__ __forceinline__ float ToF32<F16>(uint32_t bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-}
-
 // kVec consecutive values of w as loaded: one 16-byte load (kVec = 16 / bytes per value) or one
 // value (kVec = 1). Streamed (`__ldcs`): w is read once.
 template <typename T, int kVec>
 struct Pack {
-  static constexpr int kWords = kVec * kBytes<T> >= 4 ? kVec * kBytes<T> / 4 : 1;
+  static constexpr int kWords = kVec * kValueBytes<T> >= 4 ? kVec * kValueBytes<T> / 4 : 1;
   uint32_t q[kWords];
 
   // i: the element index of the pack's first value (a multiple of kVec).
   __device__ __forceinline__ void Load(const void* w, int64_t i) {
-    if constexpr (kVec == 1 && kBytes<T> == 2) {
+    if constexpr (kVec == 1 && kValueBytes<T> == 2) {
       q[0] = __ldcs(static_cast<const unsigned short*>(w) + i);
     } else if constexpr (kVec == 1) {
       q[0] = __ldcs(static_cast<const unsigned int*>(w) + i);
     } else {
-      static_assert(kVec * kBytes<T> == 16, "a pack is one 16-byte load");
+      static_assert(kVec * kValueBytes<T> == 16, "a pack is one 16-byte load");
       const uint4 v = __ldcs(reinterpret_cast<const uint4*>(w) + i / kVec);
       q[0] = v.x;
       q[1] = v.y;
@@ -91,7 +65,7 @@ struct Pack {
     }
   }
   __device__ __forceinline__ float At(int j) const {
-    if constexpr (kBytes<T> == 4) {
+    if constexpr (kValueBytes<T> == 4) {
       return ToF32<T>(q[j]);
     } else {
       return ToF32<T>(q[j / 2] >> (16 * (j % 2)));
@@ -322,7 +296,7 @@ void LaunchBlocks(cudaStream_t stream, const EncodeArgs& a, int sms) {
 
 template <typename T>
 ffi::Error RunEncode(cudaStream_t stream, const EncodeArgs& a, bool transposed) {
-  constexpr int kVec = 16 / kBytes<T>;
+  constexpr int kVec = 16 / kValueBytes<T>;
   const bool aligned = reinterpret_cast<uintptr_t>(a.w) % 16 == 0;
   if (transposed) {
     int device = 0, sms = 0;

@@ -1,7 +1,10 @@
 // Launch helpers for the CUDA handlers: errors come back as ffi::Error, never abort.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "common.h"
 
@@ -22,6 +25,29 @@ inline unsigned GridFor(int64_t work, int64_t per_block) {
   const int64_t cap = 65535LL * 16;
   if (g > cap) g = cap;
   return static_cast<unsigned>(g < 1 ? 1 : g);
+}
+
+// The element types of the float kernels' templates: float, and tags for the two 16-bit formats.
+struct Bf16 {};
+struct F16 {};
+
+template <typename T>
+constexpr int kValueBytes = std::is_same<T, float>::value ? 4 : 2;
+
+// A value's f32 from its bits (the low 16 bits for bf16/f16; higher bits are ignored): exact.
+template <typename T>
+__device__ __forceinline__ float ToF32(uint32_t bits);
+template <>
+__device__ __forceinline__ float ToF32<float>(uint32_t bits) {
+  return __uint_as_float(bits);
+}
+template <>
+__device__ __forceinline__ float ToF32<Bf16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+template <>
+__device__ __forceinline__ float ToF32<F16>(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
 
 // Warp sums.

@@ -21,8 +21,7 @@ struct Elem<float> {
     return static_cast<const float*>(p)[i];
   }
 };
-struct Bf16 {};
-struct Half {};
+struct Half {};  // (Bf16: cuda_util.h)
 template <>
 struct Elem<Bf16> {
   static constexpr int kVec = 8, kBytes = 2;
