@@ -10,6 +10,10 @@ step of ``layers`` layers runs them (each product once per layer), which the pro
 Products per GEMM x (M, K) @ w (K, N): the forward's y (M, N), the backward's dx = dy @ wᵀ (M, K)
 and dw = xᵀ @ dy (K, N, summed over the M tokens). The checks come from a real GEMM and
 ``abft_checks``, and the finish must find every block clean before it is timed.
+
+Two timings of each: ``finish_ms`` / ``xla_read_ms`` are wall clock per trip of a 10-trip loop,
+which on a GPU includes the loop's own overhead per trip (more than a 67 MB read takes on an H200);
+the ``*_dev_*`` columns are the kernels' device time alone, from profiler traces (``device_time``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from models.llama3 import LlamaConfig, get_config
 from pimlayers import ops
 
 from ._harness import carried_time
+from .profile import kernel_us
 
 __all__ = ["LLAMA3_8B_GEMMS", "layer_gemms", "products", "run"]
 
@@ -55,7 +60,7 @@ def products(m: int, gemms=LLAMA3_8B_GEMMS) -> list[tuple[str, int, int, int]]:
 def run(
     m: int = 8192, gemms=LLAMA3_8B_GEMMS, dtype=jnp.bfloat16, block_n: int = 128, layers: int = 4
 ) -> list[dict]:
-    rows, sums = [], np.zeros(3)  # bytes, finish and read seconds of one layer
+    rows, sums = [], np.zeros(5)  # bytes, finish and read seconds (wall, device) of one layer
     for role, r, n, k in products(m, gemms):
         x = jax.random.normal(jax.random.key(0), (r, k), jnp.float32).astype(dtype)
         w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
@@ -74,11 +79,24 @@ def run(
 
         t_finish = carried_time(step, (y, c, mag))
         t_read = carried_time(_read, (y, jnp.float32(0)))
+        d_finish, d_read = device_time(step, (y, c, mag)), device_time(_read, (y, jnp.float32(0)))
         nbytes = y.size * y.dtype.itemsize
-        sums += (nbytes, t_finish, t_read)
-        rows.append(_row(role, (r, n), k, nbytes, t_finish, t_read))
+        sums += (nbytes, t_finish, t_read, d_finish, d_read)
+        rows.append(_row(role, (r, n), k, nbytes, t_finish, t_read, d_finish, d_read))
     rows.append(_row(f"step, {layers} layers", None, None, *(layers * sums)))
     return rows
+
+
+def device_time(step, init, n: int = 10) -> float:
+    """Seconds of device kernels per ``carry = step(carry)``, from profiler traces of jitted loops of
+    n and 2n trips, differenced (the loop's one-off copy of the carry cancels): the kernels' own time,
+    without the loop's per-trip overhead that ``carried_time`` includes (on an H200 more than a
+    67 MB read takes). NaN without a device timeline (a CPU)."""
+    totals = []
+    for trips in (n, 2 * n):
+        loop = jax.jit(lambda c, trips=trips: lax.fori_loop(0, trips, lambda i, c: step(c), c))
+        totals.append(sum(kernel_us(loop, init).values()))
+    return (totals[1] - totals[0]) / n / 1e6 if totals[1] else float("nan")
 
 
 def _read(carry):
@@ -89,7 +107,7 @@ def _read(carry):
     return y, acc + jnp.sum(y, dtype=jnp.float32)
 
 
-def _row(role, shape, k, nbytes, t_finish, t_read) -> dict:
+def _row(role, shape, k, nbytes, t_finish, t_read, d_finish, d_read) -> dict:
     return dict(
         product=role,
         shape="x".join(map(str, shape)) if shape else "",
@@ -101,4 +119,9 @@ def _row(role, shape, k, nbytes, t_finish, t_read) -> dict:
         xla_read_gbs=nbytes / t_read / 1e9,
         # 1: the finish reads y as fast as XLA's reduction does
         vs_xla_read=t_read / t_finish,
+        # The same from the kernels' device time alone (profiler traces; NaN on a CPU).
+        finish_dev_ms=d_finish * 1e3,
+        finish_dev_gbs=nbytes / d_finish / 1e9,
+        xla_read_dev_ms=d_read * 1e3,
+        dev_vs_xla_read=d_read / d_finish,
     )

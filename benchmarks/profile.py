@@ -109,6 +109,24 @@ def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collection
     return ("device" if device else "host"), by_name, by_scope, n
 
 
+def kernel_us(fn: typing.Callable[..., typing.Any], *args, warmup: int = 2) -> collections.Counter:
+    """µs by kernel name of the device kernels one call of ``fn(*args)`` launched (each name summed
+    over its launches), from a JAX profiler trace: device time alone, free of the host's dispatch and
+    of a loop's own overhead (a while loop's trip on the GPU, its predicate read by the host, costs
+    more than a kernel reading 67 MB). Copies and memsets are left out. ``fn`` must accept being
+    called ``warmup + 1`` times with ``args`` (no donation of them). Empty without a device timeline
+    (a CPU)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(fn(*args))
+        timeline, by_name, _, _ = _sums(pathlib.Path(d))
+    if timeline != "device":
+        return collections.Counter()
+    return collections.Counter({k: v for k, v in by_name.items() if not k.startswith(("Memcpy", "Memset"))})
+
+
 # A device gap this long is a host phase (the profiler starting, an evaluation, the host's own work
 # between steps under the tracer), not the device waiting on a launch or a branch's predicate: those
 # are 0.01-1 ms. Kept apart so a phase that differs between the two traced runs cannot swamp idle_ms.
