@@ -467,6 +467,124 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
   if (todo != 0) RareTiles(io, p, g, rare, todo, careful, first, kChunks);
 }
 
+// The persistent tile kernel: as AbftTileKernel, but each warp loops over the chunks of a
+// grid-stride, so warps drift apart and one's sums overlap another's loads, and the loop holds no
+// call: a tile that is not clean at first sight is queued (its index, in shared memory) and decided
+// after the loop (CarefulTile, DecideBlock). A warp with more than kTileQueue such tiles marks the
+// rest kAbftPending in flags and finds them again after the loop by re-reading its tiles' flags
+// (a product with many non-finite values to gate). kLimit: the gate has a finite limit, so each
+// lane also keeps its largest |value|.
+constexpr int kTileQueue = 32;
+constexpr int32_t kAbftPending = -1;
+
+__device__ __noinline__ void DecideQueued(const AbftIo& io, const AbftParams& p, const GateSpec& g,
+                                          int64_t t) {
+  const LaneSums sums = CarefulTile(io, g, t);
+  DecideBlock(io, p, g, false, &sums, t / io.nb, t % io.nb);
+}
+
+template <typename T, int kChunks, bool kLimit>
+__global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
+    AbftTileLoopKernel(AbftIo io, AbftParams p, GateSpec g, float coef) {
+  __shared__ int64_t queue[kTileThreads / 32][kTileQueue];
+  __shared__ int queued[kTileThreads / 32];
+  const int lane = threadIdx.x & 31, glane = lane % kGroup, group = lane / kGroup;
+  const int wib = threadIdx.x / 32;
+  const int64_t tiles = io.rows * io.nb, per_warp = kChunks * 4;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kTileThreads / 32);
+  const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * (kTileThreads / 32) + wib;
+  if (lane == 0) queued[wib] = 0;
+  __syncwarp();
+  for (int64_t w = warp0; w * per_warp < tiles; w += warps) {
+    const int64_t first = w * per_warp + group;  // this group's tile in chunk 0
+    Raw16<kValueBytes<T>> raw[kChunks];
+    float2 c[kChunks];
+    float mag[kChunks];
+#pragma unroll
+    for (int u = 0; u < kChunks; ++u) {
+      const int64_t t = first + 4 * u;
+      if (t < tiles) {
+        raw[u] = LoadRaw16<kValueBytes<T>>(io.y, t * 128 + glane * 16);
+        if (glane == 0) {
+          c[u] = __ldg(reinterpret_cast<const float2*>(io.checks) + t);
+          mag[u] = __ldg(io.mag + t);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kChunks; ++u) {
+      const int64_t t = first + 4 * u;
+      if (t - group >= tiles) break;  // warp-uniform: no tile of this chunk exists
+      const bool live = t < tiles;
+      float a1 = 0, a2 = 0, aa = 0, mx = 0;
+      if (live) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float v = TileValue<T>(raw[u], i);
+          a1 += v;
+          a2 = fmaf(static_cast<float>(i), v, a2);
+          aa += fabsf(v);
+          if (kLimit) mx = fmaxf(mx, fabsf(v));
+        }
+      }
+      const float s1 = GroupSum(a1), s2 = GroupSum(fmaf(static_cast<float>(glane * 16), a1, a2));
+      const float sa = GroupSum(aa);
+      // A non-finite value makes a1 non-finite; a2 and aa can overflow on their own.
+      const bool lane_slow =
+          !(IsFiniteF(a1) && IsFiniteF(a2) && IsFiniteF(aa)) || (kLimit && mx > g.limit);
+      const unsigned slow = __ballot_sync(0xffffffffu, lane_slow) >> (group * kGroup) & 0xffu;
+      if (!live || glane != 0) continue;
+      bool rare = slow != 0 || !(IsFiniteF(s1) && IsFiniteF(s2) && IsFiniteF(sa));
+      if (!rare) {  // AbftDecide's clean case, as AbftTileKernel forms it
+        const float b1 = coef * mag[u] + p.u_y * sa;
+        const double r1 = static_cast<double>(s1) - c[u].x;
+        const double r2 = static_cast<double>(s2) + static_cast<double>(s1) - c[u].y;
+        rare = !(IsFiniteF(c[u].x) && IsFiniteF(c[u].y) && IsFiniteF(mag[u]) && fabs(r1) <= b1 &&
+                 fabs(r2) <= 128.0 * b1);
+      }
+      if (!rare) {
+        io.flags[t] = kAbftClean;
+        if (io.counts != nullptr) io.counts[t] = 0;
+      } else {
+        const int slot = atomicAdd(&queued[wib], 1);
+        if (slot < kTileQueue) {
+          queue[wib][slot] = t;
+        } else {
+          io.flags[t] = kAbftPending;
+        }
+      }
+    }
+  }
+  __syncwarp();
+  const int n = queued[wib];
+  for (int i = lane; i < min(n, kTileQueue); i += 32) DecideQueued(io, p, g, queue[wib][i]);
+  if (n > kTileQueue) {  // warp-uniform; rare: the tiles past the queue, found again by their flag
+    __syncwarp();
+    for (int64_t w = warp0; w * per_warp < tiles; w += warps) {
+      const int64_t t = w * per_warp + lane;
+      if (lane < per_warp && t < tiles && io.flags[t] == kAbftPending) DecideQueued(io, p, g, t);
+    }
+  }
+}
+
+template <typename T, bool kLimit>
+void LaunchTileLoop(cudaStream_t stream, const AbftIo& io, const AbftParams& p, const GateSpec& g,
+                    float coef) {
+  constexpr int kChunks = 128 / (16 * kValueBytes<T>);
+  auto kernel = AbftTileLoopKernel<T, kChunks, kLimit>;
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileThreads, 0) !=
+          cudaSuccess) {
+    return;  // the caller's CudaStatus reports it
+  }
+  const int64_t need = CeilDiv(io.rows * io.nb, int64_t{kTileThreads / 32} * kChunks * 4);
+  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  kernel<<<static_cast<unsigned>(need < resident ? need : resident), kTileThreads, 0, stream>>>(
+      io, p, g, coef);
+}
+
 template <typename T>
 constexpr int kTileChunks = 128 / (16 * kValueBytes<T>);  // 128 bytes of y in flight per lane
 
@@ -481,6 +599,15 @@ void LaunchTileKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p
                       const GateSpec& g) {
   // AbftBound's factor of mag, as it forms it (sqrtf is correctly rounded on host and device).
   const float coef = p.lam * p.u * (sqrtf(static_cast<float>(p.k)) + sqrtf(128.0f) + 2.0f);
+  static const char* variant = std::getenv("PIMLAYERS_ABFT_TILE");
+  if (variant == nullptr || variant[0] != '1') {
+    if (g.on && IsFiniteF(g.limit)) {
+      LaunchTileLoop<T, true>(stream, io, p, g, coef);
+    } else {
+      LaunchTileLoop<T, false>(stream, io, p, g, coef);
+    }
+    return;
+  }
   AbftTileKernel<T, kTileChunks<T>>
       <<<static_cast<unsigned>(TileGrid<T>(io)), kTileThreads, 0, stream>>>(io, p, g, coef);
 }

@@ -194,6 +194,43 @@ def test_abft_finish(gpu, m, k, n, block_n, in_dtype, out_dtype):
     assert np.asarray(clean).tobytes() == np.asarray(y.astype(out_dtype)).tobytes()
 
 
+# The tile kernel (128-column blocks checked in place, every bf16 product of the training step): a
+# product with a fault in every tile, so each warp meets more tiles to decide than its queue holds
+# (32: the H200 keeps ~3,200 warps resident, each takes 16 tiles a trip, and 4096 x 5120 is 163,840
+# tiles) and finds the rest again by their flags; and a small one whose tiles are not a whole number
+# of a warp's 16. Located NaNs and errors (rebuilt), two non-finite values in a tile (detected,
+# gated), values past the gate's limit; bf16 and f16; against the reference.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("limit", [None, 3.0])
+@pytest.mark.parametrize(("m", "n", "share"), [(4096, 5120, 1.0), (37, 1280, 0.3)])
+def test_abft_finish_tiles(gpu, dtype, limit, m, n, share):
+    rng = np.random.default_rng(m + n)
+    k = 64
+    x = _on(gpu, jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)))
+    w = _on(gpu, jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k)))
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, 128))
+    y = np.array(jnp.matmul(x, w, precision="highest"))
+    tiles = y.reshape(-1, 128)  # tile t is check block t (rows of whole tiles)
+    hit = np.flatnonzero(rng.random(tiles.shape[0]) < share)
+    kind, col = rng.integers(0, 4, hit.size), rng.integers(0, 128, hit.size)
+    tiles[hit[kind == 0], col[kind == 0]] = np.nan
+    tiles[hit[kind == 1], col[kind == 1]] += 1e3
+    tiles[hit[kind == 2], col[kind == 2]] = np.inf
+    tiles[hit[kind == 2], (col[kind == 2] + 1) % 128] = np.nan  # kind 3: left clean
+    bad = _on(gpu, jnp.asarray(y).astype(dtype))
+    kw = dict(k=k, block_n=128, out_dtype=dtype, fill=0.0, limit=limit)
+    o_n, f_n, n_n = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="native", **kw))(bad, c, mag)
+    o_r, f_r, n_r = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="reference", **kw))(bad, c, mag)
+    f_n, f_r = np.asarray(f_n), np.asarray(f_r)
+    assert np.array_equal(f_n, f_r)
+    assert (f_n == ops.ABFT_CORRECTED).any() and (f_n == ops.ABFT_DETECTED).any()
+    assert np.array_equal(np.asarray(n_n), np.asarray(n_r)) and int(np.asarray(n_n).sum()) > 0
+    a, b = np.asarray(o_n, np.float32), np.asarray(o_r, np.float32)
+    # Rebuilt values differ by the sums' rounding (f64 native, f32 reference) before the cast.
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+
+
 # bank_guard at the store's scale (64 MiB) and ragged sizes. Banks of 4112 bytes take two chunks
 # (sums added atomically), 2^18 bytes 64 chunks, 16 bytes one part-idle warp.
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16])
