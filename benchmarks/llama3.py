@@ -64,32 +64,10 @@ def run(
     configs += [(True, False, "auto", None, False)] if no_recompute else []
     for protect, fz, flash, rb, redo in configs:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = TrainConfig(
-                config=config,
-                layers=layers,
-                tokenizer="bytes",
-                steps=steps,
-                batch=n,  # one sequence per device
-                seq=seq,
-                dtype=dtype,
-                remat=True,
-                remat_policy=remat_policy,
-                devices=n,
-                eval_every=10**9,
-                eval_windows=n,
-                warmup=max(steps // 4, 1),
-                lr=3e-4,
-                protect=protect,
-                fused=fz,
-                recompute_blocks=rb,
-                recompute=redo,
-                flash=flash,
-                flip_every=flip_every if protect else 0,
-                gemm_fault_rate=0.2 if protect else 0.0,
-                nan_rate=0.0,
-                out_dir=tmp,
-                quiet=True,
-            )
+            cfg = step_config(
+                layers, steps, n, seq, config, dtype, flip_every, remat_policy, tmp,
+                protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
+            )  # fmt: skip
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
         rows.append(
@@ -133,6 +111,53 @@ def run(
         if cudnn is not None:
             r["on_over_cudnn"] = r["tokens_per_s"] / cudnn["tokens_per_s"]
     return rows
+
+
+def step_config(
+    layers: int,
+    steps: int,
+    devices: int,
+    seq: int,
+    config: str,
+    dtype: str,
+    flip_every: int,
+    remat_policy: str,
+    out_dir: str,
+    *,
+    protect: bool,
+    fused: bool = False,
+    flash: str = "auto",
+    recompute_blocks: int | None = None,
+    recompute: bool = True,
+) -> TrainConfig:
+    """The training script's configuration for one of the suite's steps (one sequence per device;
+    protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
+    return TrainConfig(
+        config=config,
+        layers=layers,
+        tokenizer="bytes",
+        steps=steps,
+        batch=devices,  # one sequence per device
+        seq=seq,
+        dtype=dtype,
+        remat=True,
+        remat_policy=remat_policy,
+        devices=devices,
+        eval_every=10**9,
+        eval_windows=devices,
+        warmup=max(steps // 4, 1),
+        lr=3e-4,
+        protect=protect,
+        fused=fused,
+        recompute_blocks=recompute_blocks,
+        recompute=recompute,
+        flash=flash,
+        flip_every=flip_every if protect else 0,
+        gemm_fault_rate=0.2 if protect else 0.0,
+        nan_rate=0.0,
+        out_dir=out_dir,
+        quiet=True,
+    )
 
 
 def _recompute_label(blocks: int | None, recompute: bool) -> str:

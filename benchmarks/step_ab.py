@@ -1,0 +1,131 @@
+"""The training step with and without an environment setting, side by side in one run.
+
+python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1 --layers 4 --steps 10 --rounds 2
+
+The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``, ``PIMLAYERS_ABFT_TILE``)
+once per process, so each variant trains in its own process; the two alternate for ``--rounds``
+rounds, so a drift of the machine over the run falls on both. Each process trains the llama3
+suite's protected step without recompute (``benchmarks.llama3.step_config``; ``--unprotected``:
+the stock step with cuDNN's attention instead) and reports every step's time but the first (which
+compiles: the training script leaves it out). The rows give each process's median step and, per
+variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
+(> 1: faster). Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from ._harness import command_line, write_result
+
+__all__ = ["main", "summarize"]
+
+
+def _child(args) -> None:
+    from train.llama3 import train
+
+    from .llama3 import step_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = step_config(
+            args.layers, args.steps, 1, args.seq, args.config, args.dtype, 5, "gemms", tmp,
+            protect=not args.unprotected, flash="on" if args.unprotected else "auto", recompute=False,
+        )  # fmt: skip
+        s = train(cfg)
+    print("STEP_AB " + json.dumps({"step_seconds": [float(t) for t in s["step_seconds"]]}))
+
+
+def summarize(runs: list[tuple[str, int, list[float]]]) -> list[dict]:
+    """Rows from (variant, round, step seconds) of each process: one per process, then one per
+    variant pooling its steps; the first variant is the base of ``vs_base``."""
+    rows = [
+        dict(
+            variant=v,
+            round=r,
+            steps=len(t),
+            step_ms=1e3 * float(np.median(t)),
+            spread_ms=1e3 * float(np.ptp(t)),
+        )
+        for v, r, t in runs
+    ]
+    pooled = {}
+    for v, _, t in runs:
+        pooled.setdefault(v, []).extend(t)
+    base = None
+    for v, t in pooled.items():
+        med = 1e3 * float(np.median(t))
+        base = med if base is None else base
+        rows.append(
+            dict(
+                variant=v,
+                round="all",
+                steps=len(t),
+                step_ms=med,
+                spread_ms=1e3 * float(np.ptp(t)),
+                vs_base=base / med,
+            )
+        )
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="the variant's setting")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10, help="steps per process (the first is left out)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--config", default="llama3_8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--unprotected", action="store_true", help="the stock step (cuDNN attention)")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return _child(args)
+    setting = {}
+    for kv in args.env:
+        name, sep, value = kv.partition("=")
+        if not sep or not name:
+            raise ValueError(f"benchmarks.step_ab: --env {kv!r}; expected NAME=VALUE")
+        setting[name] = value
+    if not setting:
+        raise ValueError("benchmarks.step_ab: give the variant's setting with --env NAME=VALUE")
+    base_env = {k: v for k, v in os.environ.items() if k not in setting}
+    variants = [("base", base_env), (" ".join(args.env), {**base_env, **setting})]
+    child = [
+        sys.executable,
+        "-m",
+        "benchmarks.step_ab",
+        "--child",
+        *(a for a in sys.argv[1:] if a != "--child"),
+    ]
+    runs = []
+    for r in range(args.rounds):
+        for name, env in variants:
+            out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("STEP_AB ")), None)
+            if out.returncode != 0 or line is None:
+                raise RuntimeError(f"benchmarks.step_ab: the {name} run failed:\n{out.stderr[-3000:]}")
+            steps = json.loads(line[len("STEP_AB ") :])["step_seconds"]  # the compiling one left out
+            runs.append((name, r, steps))
+            print(
+                f"round {r} {name}: median step {1e3 * np.median(steps):.2f} ms over {len(steps)} steps",
+                flush=True,
+            )
+    rows = summarize(runs)
+    for row in rows:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    print("wrote", write_result("step-ab", rows, command_line(), tag=args.tag, note=args.note))
+
+
+if __name__ == "__main__":
+    main()
