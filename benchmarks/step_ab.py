@@ -2,9 +2,9 @@
 
 python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1 --layers 4 --steps 10 --rounds 2
 
-The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``, ``PIMLAYERS_ABFT_TILE``)
-once per process, so each variant trains in its own process; the two alternate for ``--rounds``
-rounds, so a drift of the machine over the run falls on both. Each process trains the llama3
+The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``: the finish's row kernel for
+128-column blocks) once per process, so each variant trains in its own process; the two alternate
+for ``--rounds`` rounds, so a drift of the machine over the run falls on both. Each process trains the llama3
 suite's protected step without recompute (``benchmarks.llama3.step_config``; ``--unprotected``:
 the stock step with cuDNN's attention instead) and reports every step's time but the first (which
 compiles: the training script leaves it out). The rows give each process's median step and, per

@@ -1,12 +1,13 @@
 // CUDA handlers of abft_check and abft_finish (the math and its bound are in abft.h).
 //
-// Two kernels. The row kernel is the fast one, for y (f32, bf16 or f16) whose rows and column
-// blocks are multiples of 128 columns (every Llama-3 GEMM): a CTA takes a group of whole rows, each
-// 8-lane group sums a 128-column tile with 16-byte loads (see AbftRowKernel). Out of place, the
-// gated, cast output is written in the same pass, so y is read once; in place (a bf16 GEMM's own
-// output), y is only read, and a block is written only where a value is corrected or gated. The
-// warp kernel covers every other shape: one warp per (row, column block), as simple as the CPU
-// loop.
+// Three kernels. The tile kernel is the fast one, for blocks of exactly 128 columns checked in
+// place (a bf16 GEMM's own output: every product of the training step): y is then a stream of
+// 128-value tiles, one per check block, and only corrected or gated values are written (see
+// AbftTileKernel). The row kernel covers the other widths that are multiples of 128 columns and
+// the out-of-place finish (f32, bf16 or f16): a CTA takes a group of whole rows, each 8-lane group
+// sums a 128-column tile with 16-byte loads, and out of place the gated, cast output is written in
+// the same pass, so y is read once (see AbftRowKernel). The warp kernel covers every other shape:
+// one warp per (row, column block), as simple as the CPU loop.
 #include <cstdlib>
 
 #include "abft.h"
@@ -344,18 +345,42 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocks)
 // The tile kernel: blocks of exactly 128 columns checked in place (every bf16 product of the
 // training step). y is then a run of rows * nb tiles of 128 values, tile t being column block t of
 // the checks: a plain stream, with nothing to gather per row. Each 8-lane group sums one tile, each
-// warp kChunks chunks of 4 consecutive tiles (1 KB of bf16 per chunk), every load (y, and each
-// tile's checks on its group's first lane) issued before any sum. The first lane decides its tile
-// at once: no shared memory, no barriers, so no CTA stops streaming to decide (the row kernel's
-// per-CTA decide phase leaves its loads idle). A tile whose decision is not "clean" at first
-// sight, or that holds a non-finite value or one past the gate's limit, goes to DecideBlock, out of
-// line, with the row kernel's sums, so both kernels decide identically.
+// warp kChunks chunks of 4 consecutive tiles per trip (1 KB of bf16 a chunk, 128 bytes in flight
+// per lane), every load (y, and each tile's checks on its group's first lane) issued before any
+// sum, and the first lane decides its tile at once: no shared sums and no barriers, so no CTA
+// stops streaming to decide as the row kernel's do. Warps are persistent and loop over a
+// grid-stride, so they drift apart and one's sums overlap another's loads.
+//
+// The loop holds no call: a call there made ptxas keep the loads in flight on the stack (nvcc 13.0,
+// sm_90). A tile that is not clean at first sight, or holds a non-finite value or one past the
+// gate's limit, is queued (its index, in shared memory) and decided after the loop, its sums taken
+// again in f64 (CarefulTile) and then as the row kernel decides (DecideBlock). A warp that meets
+// more than kTileQueue such tiles marks the rest kAbftPending in flags and finds them again after
+// the loop by re-reading its tiles' flags (a product with many non-finite values to gate).
+// kLimit: the gate has a finite limit, so each lane also keeps its largest |value|.
+//
+// On an H200 (`python -m benchmarks.run --suite finish --layers 4`, device time from profiler
+// traces, 2026-12-03) the 84 bf16 products of a 4-layer step took 2.40 ms against the row kernel's
+// 4.21 and XLA's reduction over the same bytes 1.95; a first version without the loop (one trip a
+// warp, as many CTAs as chunks) 3.40.
 constexpr int kTileThreads = 256;
 constexpr int kTileMinBlocks = 3;  // <= 85 registers: 768 lanes x 128 bytes in flight per SM
+constexpr int kTileQueue = 32;
+constexpr int32_t kAbftPending = -1;
 
-// The careful sums of one tile, by one thread in f64 (non-finite values left out and located,
-// values the gate will replace counted): the rare path, as the warp kernel sums a block.
-__device__ __noinline__ LaneSums CarefulTile(const AbftIo& io, const GateSpec& g, int64_t t) {
+// Value i (0..15, a compile-time index after unrolling) of a lane's 16 values of type T.
+template <typename T>
+__device__ __forceinline__ float TileValue(const Raw16<kValueBytes<T>>& r, int i) {
+  const uint4& q = r.q[i * kValueBytes<T> / 16];
+  const int c = (i * kValueBytes<T> / 4) % 4;
+  const uint32_t w = c == 0 ? q.x : c == 1 ? q.y : c == 2 ? q.z : q.w;
+  return ToF32<T>(kValueBytes<T> == 2 && i % 2 ? w >> 16 : w);
+}
+
+// A queued tile, by one thread: its sums in f64 (non-finite values left out and located, values
+// the gate will replace counted, as the warp kernel sums a block), then DecideBlock.
+__device__ __noinline__ void DecideTile(const AbftIo& io, const AbftParams& p, const GateSpec& g,
+                                        int64_t t) {
   LaneSums r{0, 0, 0, 0, -1, 0};
   for (int j = 0; j < 128; ++j) {
     const float v = LoadF(io.y, t * 128 + j, io.in_kind);
@@ -369,123 +394,12 @@ __device__ __noinline__ LaneSums CarefulTile(const AbftIo& io, const GateSpec& g
     r.s2 += static_cast<double>(j) * v;  // 0-based weights, as LaneSums keeps them
     r.sa += fabs(static_cast<double>(v));
   }
-  return r;
-}
-
-// Value i (0..15, a compile-time index after unrolling) of a lane's 16 values of type T.
-template <typename T>
-__device__ __forceinline__ float TileValue(const Raw16<kValueBytes<T>>& r, int i) {
-  const uint4& q = r.q[i * kValueBytes<T> / 16];
-  const int c = (i * kValueBytes<T> / 4) % 4;
-  const uint32_t w = c == 0 ? q.x : c == 1 ? q.y : c == 2 ? q.z : q.w;
-  return ToF32<T>(kValueBytes<T> == 2 && i % 2 ? w >> 16 : w);
-}
-
-// The rare tiles of a warp's chunks: their decisions, corrections and gating (DecideBlock), the
-// careful sums first where a tile holds a non-finite value, one past the gate's limit, or sums
-// that overflowed. Out of line, after the stream, so the calls spill nothing the stream holds.
-__device__ __noinline__ void RareTiles(const AbftIo& io, const AbftParams& p, const GateSpec& g,
-                                       const LaneSums* sums, unsigned todo, unsigned careful,
-                                       int64_t first, int chunks) {
-  for (int u = 0; u < chunks; ++u) {
-    if (!(todo >> u & 1u)) continue;
-    const int64_t t = first + 4 * u;
-    const LaneSums s = careful >> u & 1u ? CarefulTile(io, g, t) : sums[u];
-    DecideBlock(io, p, g, false, &s, t / io.nb, t % io.nb);
-  }
-}
-
-template <typename T, int kChunks>
-__global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
-    AbftTileKernel(AbftIo io, AbftParams p, GateSpec g, float coef) {
-  const int lane = threadIdx.x & 31, glane = lane % kGroup, group = lane / kGroup;
-  const int64_t tiles = io.rows * io.nb;
-  const float limit = g.on ? g.limit : INFINITY;
-  // One pass per warp, no grid-stride loop: with a loop around it (and the call below in it)
-  // ptxas kept the loads in flight on the stack (nvcc 13.0, sm_90).
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kTileThreads + threadIdx.x) / 32;
-  const int64_t first = warp * kChunks * 4 + group;  // this group's tile in chunk 0
-  Raw16<kValueBytes<T>> raw[kChunks];
-  float2 c[kChunks];
-  float mag[kChunks];
-#pragma unroll
-  for (int u = 0; u < kChunks; ++u) {
-    const int64_t t = first + 4 * u;
-    if (t < tiles) {
-      raw[u] = LoadRaw16<kValueBytes<T>>(io.y, t * 128 + glane * 16);
-      if (glane == 0) {
-        c[u] = __ldg(reinterpret_cast<const float2*>(io.checks) + t);
-        mag[u] = __ldg(io.mag + t);
-      }
-    }
-  }
-  LaneSums rare[kChunks];  // the rare tiles' sums (a stack array, written on the rare path)
-  // Bit u: chunk u's tile goes to RareTiles (careful: its sums are taken again).
-  unsigned todo = 0, careful = 0;
-#pragma unroll
-  for (int u = 0; u < kChunks; ++u) {
-    const int64_t t = first + 4 * u;
-    if (t - group >= tiles) break;  // warp-uniform: no tile of this chunk exists
-    const bool live = t < tiles;
-    float a1 = 0, a2 = 0, aa = 0, mx = 0;
-    if (live) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float v = TileValue<T>(raw[u], i);
-        a1 += v;
-        a2 = fmaf(static_cast<float>(i), v, a2);
-        aa += fabsf(v);
-        mx = fmaxf(mx, fabsf(v));
-      }
-    }
-    // 16 terms in f32 per lane, then 8 lanes: as the row kernel sums a clean tile (SumLane).
-    const float s1 = GroupSum(a1), s2 = GroupSum(fmaf(static_cast<float>(glane * 16), a1, a2));
-    const float sa = GroupSum(aa);
-    const bool lane_slow = !(IsFiniteF(a1) && IsFiniteF(a2) && IsFiniteF(aa) && mx <= limit);
-    const unsigned slow = __ballot_sync(0xffffffffu, lane_slow) >> (group * kGroup) & 0xffu;
-    if (!live || glane != 0) continue;
-    if (slow != 0 || !(IsFiniteF(s1) && IsFiniteF(s2) && IsFiniteF(sa))) {
-      todo |= 1u << u;
-      careful |= 1u << u;
-      continue;
-    }
-    // AbftDecide's clean case, inline and free of calls (the rest runs in RareTiles: a call
-    // here would spill the loads in flight): the block's weights are j + 1, so its weighted sum
-    // is s2 + s1.
-    const float b1 = coef * mag[u] + p.u_y * sa;  // AbftBound, its square roots hoisted
-    const double r1 = static_cast<double>(s1) - c[u].x;
-    const double r2 = static_cast<double>(s2) + static_cast<double>(s1) - c[u].y;
-    if (IsFiniteF(c[u].x) && IsFiniteF(c[u].y) && IsFiniteF(mag[u]) && fabs(r1) <= b1 &&
-        fabs(r2) <= 128.0 * b1) {
-      io.flags[t] = kAbftClean;
-      if (io.counts != nullptr) io.counts[t] = 0;
-    } else {
-      rare[u] = LaneSums{s1, s2, sa, 0, -1, 0};
-      todo |= 1u << u;
-    }
-  }
-  if (todo != 0) RareTiles(io, p, g, rare, todo, careful, first, kChunks);
-}
-
-// The persistent tile kernel: as AbftTileKernel, but each warp loops over the chunks of a
-// grid-stride, so warps drift apart and one's sums overlap another's loads, and the loop holds no
-// call: a tile that is not clean at first sight is queued (its index, in shared memory) and decided
-// after the loop (CarefulTile, DecideBlock). A warp with more than kTileQueue such tiles marks the
-// rest kAbftPending in flags and finds them again after the loop by re-reading its tiles' flags
-// (a product with many non-finite values to gate). kLimit: the gate has a finite limit, so each
-// lane also keeps its largest |value|.
-constexpr int kTileQueue = 32;
-constexpr int32_t kAbftPending = -1;
-
-__device__ __noinline__ void DecideQueued(const AbftIo& io, const AbftParams& p, const GateSpec& g,
-                                          int64_t t) {
-  const LaneSums sums = CarefulTile(io, g, t);
-  DecideBlock(io, p, g, false, &sums, t / io.nb, t % io.nb);
+  DecideBlock(io, p, g, false, &r, t / io.nb, t % io.nb);
 }
 
 template <typename T, int kChunks, bool kLimit>
 __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
-    AbftTileLoopKernel(AbftIo io, AbftParams p, GateSpec g, float coef) {
+    AbftTileKernel(AbftIo io, AbftParams p, GateSpec g, float coef) {
   __shared__ int64_t queue[kTileThreads / 32][kTileQueue];
   __shared__ int queued[kTileThreads / 32];
   const int lane = threadIdx.x & 31, glane = lane % kGroup, group = lane / kGroup;
@@ -527,6 +441,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
           if (kLimit) mx = fmaxf(mx, fabsf(v));
         }
       }
+      // 16 terms in f32 per lane, then 8 lanes: as the row kernel sums a clean tile (SumLane).
       const float s1 = GroupSum(a1), s2 = GroupSum(fmaf(static_cast<float>(glane * 16), a1, a2));
       const float sa = GroupSum(aa);
       // A non-finite value makes a1 non-finite; a2 and aa can overflow on their own.
@@ -535,7 +450,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
       const unsigned slow = __ballot_sync(0xffffffffu, lane_slow) >> (group * kGroup) & 0xffu;
       if (!live || glane != 0) continue;
       bool rare = slow != 0 || !(IsFiniteF(s1) && IsFiniteF(s2) && IsFiniteF(sa));
-      if (!rare) {  // AbftDecide's clean case, as AbftTileKernel forms it
+      if (!rare) {
+        // AbftDecide's clean case, free of calls (its square roots hoisted into coef): the
+        // block's weights are j + 1, so its weighted sum is s2 + s1.
         const float b1 = coef * mag[u] + p.u_y * sa;
         const double r1 = static_cast<double>(s1) - c[u].x;
         const double r2 = static_cast<double>(s2) + static_cast<double>(s1) - c[u].y;
@@ -557,59 +474,43 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
   }
   __syncwarp();
   const int n = queued[wib];
-  for (int i = lane; i < min(n, kTileQueue); i += 32) DecideQueued(io, p, g, queue[wib][i]);
+  for (int i = lane; i < min(n, kTileQueue); i += 32) DecideTile(io, p, g, queue[wib][i]);
   if (n > kTileQueue) {  // warp-uniform; rare: the tiles past the queue, found again by their flag
     __syncwarp();
     for (int64_t w = warp0; w * per_warp < tiles; w += warps) {
       const int64_t t = w * per_warp + lane;
-      if (lane < per_warp && t < tiles && io.flags[t] == kAbftPending) DecideQueued(io, p, g, t);
+      if (lane < per_warp && t < tiles && io.flags[t] == kAbftPending) DecideTile(io, p, g, t);
     }
   }
 }
 
 template <typename T, bool kLimit>
-void LaunchTileLoop(cudaStream_t stream, const AbftIo& io, const AbftParams& p, const GateSpec& g,
-                    float coef) {
-  constexpr int kChunks = 128 / (16 * kValueBytes<T>);
-  auto kernel = AbftTileLoopKernel<T, kChunks, kLimit>;
+ffi::Error LaunchTileKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p,
+                            const GateSpec& g) {
+  constexpr int kChunks = 128 / (16 * kValueBytes<T>);  // 128 bytes of y in flight per lane
+  auto kernel = AbftTileKernel<T, kChunks, kLimit>;
+  // AbftBound's factor of mag, as it forms it (sqrtf is correctly rounded on host and device).
+  const float coef = p.lam * p.u * (sqrtf(static_cast<float>(p.k)) + sqrtf(128.0f) + 2.0f);
   int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileThreads, 0) !=
           cudaSuccess) {
-    return;  // the caller's CudaStatus reports it
+    return CudaStatus("abft_check");
   }
+  // Persistent CTAs: as many as fit on the GPU at once, or fewer where y is small.
   const int64_t need = CeilDiv(io.rows * io.nb, int64_t{kTileThreads / 32} * kChunks * 4);
   const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
   kernel<<<static_cast<unsigned>(need < resident ? need : resident), kTileThreads, 0, stream>>>(
       io, p, g, coef);
+  return CudaStatus("abft_check");
 }
 
 template <typename T>
-constexpr int kTileChunks = 128 / (16 * kValueBytes<T>);  // 128 bytes of y in flight per lane
-
-// The tile kernel's grid: one CTA per kTileThreads / 32 warps' chunks (it has no grid-stride loop).
-template <typename T>
-int64_t TileGrid(const AbftIo& io) {
-  return CeilDiv(io.rows * io.nb, int64_t{kTileThreads / 32} * kTileChunks<T> * 4);
-}
-
-template <typename T>
-void LaunchTileKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p,
-                      const GateSpec& g) {
-  // AbftBound's factor of mag, as it forms it (sqrtf is correctly rounded on host and device).
-  const float coef = p.lam * p.u * (sqrtf(static_cast<float>(p.k)) + sqrtf(128.0f) + 2.0f);
-  static const char* variant = std::getenv("PIMLAYERS_ABFT_TILE");
-  if (variant == nullptr || variant[0] != '1') {
-    if (g.on && IsFiniteF(g.limit)) {
-      LaunchTileLoop<T, true>(stream, io, p, g, coef);
-    } else {
-      LaunchTileLoop<T, false>(stream, io, p, g, coef);
-    }
-    return;
-  }
-  AbftTileKernel<T, kTileChunks<T>>
-      <<<static_cast<unsigned>(TileGrid<T>(io)), kTileThreads, 0, stream>>>(io, p, g, coef);
+ffi::Error RunTileKernel(cudaStream_t stream, const AbftIo& io, const AbftParams& p,
+                         const GateSpec& g) {
+  if (g.on && IsFiniteF(g.limit)) return LaunchTileKernel<T, true>(stream, io, p, g);
+  return LaunchTileKernel<T, false>(stream, io, p, g);
 }
 
 template <int kBytes, bool kWriteAll>
@@ -629,18 +530,17 @@ ffi::Error RunAbftCuda(cudaStream_t stream, const AbftIo& io, const AbftParams& 
   const size_t smem = static_cast<size_t>(rows_per_cta * (io.n_all / 128)) * sizeof(LaneSums);
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(io.y) | reinterpret_cast<uintptr_t>(io.out)) % 16) == 0;
+  // PIMLAYERS_ABFT_ROW_KERNEL (any value) keeps 128-column blocks on the row kernel: for timing
+  // the two side by side (`python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1`).
+  static const bool row_only = std::getenv("PIMLAYERS_ABFT_ROW_KERNEL") != nullptr;
+  if (io.block_n == 128 && io.n_all % 128 == 0 && aligned && !write_all && !row_only) {
+    if (io.in_kind == FloatKind::kF32) return RunTileKernel<float>(stream, io, p, g);
+    if (io.in_kind == FloatKind::kBF16) return RunTileKernel<Bf16>(stream, io, p, g);
+    return RunTileKernel<F16>(stream, io, p, g);
+  }
   const bool row_kernel =
       io.block_n % 128 == 0 && io.n_all % 128 == 0 && aligned && smem <= 48 * 1024;
-  // PIMLAYERS_ABFT_ROW_KERNEL (any value) keeps 128-column blocks on the row kernel: for timing
-  // the two side by side (`python -m benchmarks.run --suite finish`).
-  static const bool row_only = std::getenv("PIMLAYERS_ABFT_ROW_KERNEL") != nullptr;
-  // (y of 2^38 values or more, past the tile kernel's grid, goes to the row kernel too.)
-  if (row_kernel && io.block_n == 128 && !write_all && !row_only &&
-      TileGrid<float>(io) <= 0x7fffffff) {
-    if (io.in_kind == FloatKind::kF32) LaunchTileKernel<float>(stream, io, p, g);
-    if (io.in_kind == FloatKind::kBF16) LaunchTileKernel<Bf16>(stream, io, p, g);
-    if (io.in_kind == FloatKind::kF16) LaunchTileKernel<F16>(stream, io, p, g);
-  } else if (row_kernel) {
+  if (row_kernel) {
     const bool wide = io.in_kind == FloatKind::kF32;
     if (wide && write_all) LaunchRowKernel<4, true>(stream, io, p, g, rows_per_cta, smem);
     if (wide && !write_all) LaunchRowKernel<4, false>(stream, io, p, g, rows_per_cta, smem);
