@@ -4,12 +4,14 @@ python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1 --layers 4 --step
 
 The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``: the finish's row kernel for
 128-column blocks) once per process, so each variant trains in its own process; the two alternate
-for ``--rounds`` rounds, so a drift of the machine over the run falls on both. Each process trains the llama3
-suite's protected step without recompute (``benchmarks.llama3.step_config``; ``--unprotected``:
-the stock step with cuDNN's attention instead) and reports every step's time but the first (which
-compiles: the training script leaves it out). The rows give each process's median step and, per
-variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
-(> 1: faster). Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
+for ``--rounds`` rounds, so a drift of the machine over the run falls on both. Each process trains
+the llama3 suite's protected step without recompute (``benchmarks.llama3.step_config``;
+``--unprotected``: the stock step with cuDNN's attention instead) and reports every step's time
+but the first (which compiles: the training script leaves it out). The rows give each process's
+median step (and its steps) and, per variant, the median of all its steps, with ``vs_base`` = the
+base variant's median / this one's (> 1: faster). On an H200 (2026-12-03) the medians of processes
+running the same code differed by up to 9 ms in a 120 ms step: resolving a change of a few ms takes
+several rounds. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
 """
 
 from __future__ import annotations
@@ -43,35 +45,24 @@ def _child(args) -> None:
 
 
 def summarize(runs: list[tuple[str, int, list[float]]]) -> list[dict]:
-    """Rows from (variant, round, step seconds) of each process: one per process, then one per
-    variant pooling its steps; the first variant is the base of ``vs_base``."""
-    rows = [
-        dict(
-            variant=v,
-            round=r,
-            steps=len(t),
-            step_ms=1e3 * float(np.median(t)),
-            spread_ms=1e3 * float(np.ptp(t)),
-        )
-        for v, r, t in runs
-    ]
-    pooled = {}
+    """Rows from (variant, round, step seconds) of each process: one per process (its steps in
+    ``steps_ms``), then one per variant pooling its steps; the first variant is the base of
+    ``vs_base``. ``iqr_ms`` is the interquartile range: the step that repairs injected parameter
+    flips takes about a second and would set any range that counted it."""
+
+    def row(variant, rnd, t):
+        q25, q50, q75 = np.percentile(1e3 * np.asarray(t), [25, 50, 75])
+        return dict(variant=variant, round=rnd, steps=len(t), step_ms=float(q50), iqr_ms=float(q75 - q25))
+
+    rows = [row(v, r, t) | dict(steps_ms=[round(1e3 * x, 3) for x in t]) for v, r, t in runs]
+    pooled: dict[str, list[float]] = {}
     for v, _, t in runs:
         pooled.setdefault(v, []).extend(t)
     base = None
     for v, t in pooled.items():
-        med = 1e3 * float(np.median(t))
-        base = med if base is None else base
-        rows.append(
-            dict(
-                variant=v,
-                round="all",
-                steps=len(t),
-                step_ms=med,
-                spread_ms=1e3 * float(np.ptp(t)),
-                vs_base=base / med,
-            )
-        )
+        rows.append(row(v, "all", t))
+        base = rows[-1]["step_ms"] if base is None else base
+        rows[-1]["vs_base"] = base / rows[-1]["step_ms"]
     return rows
 
 
@@ -123,7 +114,13 @@ def main(argv=None) -> None:
             )
     rows = summarize(runs)
     for row in rows:
-        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        print(
+            "  ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in row.items()
+                if k != "steps_ms"
+            )
+        )
     print("wrote", write_result("step-ab", rows, command_line(), tag=args.tag, note=args.note))
 
 

@@ -3,6 +3,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 
 from benchmarks import abft_campaign
@@ -442,3 +443,54 @@ def test_matmul_parts_refuses_native_encodes_that_differ_from_the_reference():
     off = want._replace(sums=want.sums.at[3, 1, 0].add(0.5))  # one extra term of w's size (N(0, 1))
     with pytest.raises(AssertionError, match="off: sums differ from the reference's past f32 rounding"):
         matmul._same_encode("off", want, off, 128)
+
+
+def test_step_ab_summary_pools_steps_per_variant_against_the_first():
+    from benchmarks import step_ab
+
+    fast = [0.120, 0.122, 0.121, 0.123, 0.121, 0.122]
+    runs = [  # each process: six steps and one that repairs injected flips, far off
+        ("base", 0, [*fast, 1.1]),
+        ("X=1", 0, [t - 0.010 for t in fast] + [1.0]),
+        ("base", 1, [t + 0.004 for t in fast] + [1.2]),
+        ("X=1", 1, [t - 0.008 for t in fast] + [1.1]),
+    ]
+    rows = step_ab.summarize(runs)
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("base", 0), ("X=1", 0), ("base", 1), ("X=1", 1), ("base", "all"), ("X=1", "all")
+    ]  # fmt: skip
+    assert rows[0]["steps_ms"] == [120.0, 122.0, 121.0, 123.0, 121.0, 122.0, 1100.0]
+    assert rows[0]["step_ms"] == pytest.approx(122.0)  # the median of seven
+    base, x = rows[4], rows[5]
+    assert base["steps"] == x["steps"] == 14
+    pooled = lambda d: np.median([*(1e3 * t for t in fast), *(1e3 * t + d for t in fast), 1e4, 1e4])
+    assert base["step_ms"] == pytest.approx(pooled(4.0)) and x["step_ms"] == pytest.approx(pooled(2.0) - 10)
+    assert x["vs_base"] == pytest.approx(base["step_ms"] / x["step_ms"]) and base["vs_base"] == 1.0
+    assert x["vs_base"] > 1.07
+    assert base["iqr_ms"] < 5  # the repair steps do not set it
+
+
+def test_step_ab_refuses_a_setting_that_is_not_name_equals_value():
+    from benchmarks import step_ab
+
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        step_ab.main(["--env", "PIMLAYERS_ABFT_ROW_KERNEL"])
+    with pytest.raises(ValueError, match="give the variant's setting"):
+        step_ab.main([])
+
+
+def test_kernel_times_need_a_device_timeline():
+    """On a CPU there is no device timeline: no kernel times, and the finish suite's device columns
+    are NaN rather than the host's op times passed off as kernels."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import finish, profile
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the device timeline's absence is a CPU's")
+    x = jnp.ones((64, 64), jnp.float32)
+    assert profile.kernel_us(jax.jit(lambda a: a @ a), x) == {}
+    assert finish.device_time(lambda c: (c[0] * 2.0, c[1]), (x, jnp.float32(0))) != finish.device_time(
+        lambda c: (c[0] * 2.0, c[1]), (x, jnp.float32(0))
+    )  # NaN is not equal to itself
