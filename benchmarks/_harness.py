@@ -239,7 +239,8 @@ def source_digest(root: pathlib.Path = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
-def command_line() -> str:
+def command_line(module: str = "benchmarks.run") -> str:
+    """The command that ran ``module`` (with XLA_FLAGS where set), as a results file records it."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = f"XLA_FLAGS={shlex.quote(flags.strip())} " if flags.strip() else ""
-    return env + "python -m benchmarks.run " + shlex.join(sys.argv[1:])
+    return env + f"python -m {module} " + shlex.join(sys.argv[1:])

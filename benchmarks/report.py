@@ -122,7 +122,17 @@ layer's protected GEMMs check: the forward's y (M x N), the backward's dx (M x K
 inner dimension M). `xla_read` is XLA summing the same bytes in the same run, so `vs_xla_read` = 1
 means the finish reads y as fast as XLA's reduction does. The last row adds the products up as a
 step of `--layers` layers runs them (each once per layer), for comparison with the profile's
-`AbftRowKernel` total per step.
+finish kernel (`AbftRowKernel`, since 2026-12-03 `AbftTileKernel`) total per step. `finish_ms` and
+`xla_read_ms` are wall clock per trip of a 10-trip loop, which on a GPU includes the loop's own
+overhead per trip (more than a 67 MB read takes on an H200: those columns cannot tell two kernels
+of one product apart); the `*_dev_*` columns (from 2026-12-03) are the kernels' device time alone,
+from profiler traces of loops of 10 and 20 trips, differenced, and `dev_vs_xla_read` their ratio.
+
+Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
+(no recompute) in alternating processes without and with an environment setting that the native
+handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead
+of the tile kernel). One row per process (its median step), then per variant the median of all its
+steps; `vs_base` = the base's median / the variant's (> 1: the variant is faster).
 """
 
 

@@ -121,7 +121,10 @@ def main(argv=None) -> None:
                 if k != "steps_ms"
             )
         )
-    print("wrote", write_result("step-ab", rows, command_line(), tag=args.tag, note=args.note))
+    print(
+        "wrote",
+        write_result("step-ab", rows, command_line("benchmarks.step_ab"), tag=args.tag, note=args.note),
+    )
 
 
 if __name__ == "__main__":
