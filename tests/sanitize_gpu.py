@@ -68,6 +68,9 @@ def handler_cases(gpu) -> list:
         ],
         (T.test_abft_finish, (gpu, 9, 64, 200, 32, jnp.float32, jnp.float32)),
         (T.test_abft_finish, (gpu, 9, 64, 256, 128, jnp.bfloat16, jnp.bfloat16)),
+        # The tile kernel's queue, with and without a gate limit, and (the large case) its overflow.
+        *[(T.test_abft_finish_tiles, (gpu, jnp.bfloat16, lim, 37, 1280, 0.3)) for lim in (None, 3.0)],
+        (T.test_abft_finish_tiles, (gpu, jnp.bfloat16, None, 4096, 5120, 1.0)),
         *[
             (T.test_bank_guard, (gpu, jnp.uint8, nb, b, g))
             for nb in (4098, (1 << 20) + 6)
