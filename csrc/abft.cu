@@ -354,9 +354,9 @@ __global__ void __launch_bounds__(kRowThreads, kRowMinBlocks)
 // The loop holds no call: a call there made ptxas keep the loads in flight on the stack (nvcc 13.0,
 // sm_90). A tile that is not clean at first sight, or holds a non-finite value or one past the
 // gate's limit, is queued (its index, in shared memory) and decided after the loop, its sums taken
-// again in f64 (CarefulTile) and then as the row kernel decides (DecideBlock). A warp that meets
-// more than kTileQueue such tiles marks the rest kAbftPending in flags and finds them again after
-// the loop by re-reading its tiles' flags (a product with many non-finite values to gate).
+// again in f64 and then decided as the row kernel decides (DecideTile, DecideBlock). A warp that
+// meets more than kTileQueue such tiles marks the rest kAbftPending in flags and finds them again
+// after the loop by re-reading its tiles' flags (a product with many non-finite values to gate).
 // kLimit: the gate has a finite limit, so each lane also keeps its largest |value|.
 //
 // On an H200 (`python -m benchmarks.run --suite finish --layers 4`, device time from profiler
