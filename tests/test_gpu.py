@@ -195,11 +195,12 @@ def test_abft_finish(gpu, m, k, n, block_n, in_dtype, out_dtype):
 
 
 # The tile kernel (128-column blocks checked in place, every bf16 product of the training step): a
-# product with a fault in every tile, so each warp meets more tiles to decide than its queue holds
-# (32: the H200 keeps ~3,200 warps resident, each takes 16 tiles a trip, and 4096 x 5120 is 163,840
-# tiles) and finds the rest again by their flags; and a small one whose tiles are not a whole number
-# of a warp's 16. Located NaNs and errors (rebuilt), two non-finite values in a tile (detected,
-# gated), values past the gate's limit; bf16 and f16; against the reference.
+# product with a fault in three tiles of four, so most warps meet more tiles to decide than their
+# queue holds (32: the H200 keeps ~3,200 warps resident, each takes 16 tiles a trip, and 4096 x 5120
+# is 163,840 tiles: ~48 a warp, ~36 of them faulty) and find the rest again by their flags; and a
+# small one whose tiles are not a whole number of a warp's 16. Located NaNs and errors (rebuilt),
+# two non-finite values in a tile (detected, gated), values past the gate's limit; bf16 and f16;
+# against the reference.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("limit", [None, 3.0])
 @pytest.mark.parametrize(("m", "n", "share"), [(4096, 5120, 1.0), (37, 1280, 0.3)])
