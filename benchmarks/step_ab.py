@@ -10,8 +10,12 @@ the llama3 suite's protected step without recompute (``benchmarks.llama3.step_co
 but the first (which compiles: the training script leaves it out). The rows give each process's
 median step (and its steps) and, per variant, the median of all its steps, with ``vs_base`` = the
 base variant's median / this one's (> 1: faster). On an H200 (2026-12-03) the medians of processes
-running the same code differed by up to 9 ms in a 120 ms step: resolving a change of a few ms takes
-several rounds. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
+running the same code differed by up to 9 ms in a 120 ms step (each process autotuning its own
+GEMMs, as the tool then had them do): resolving a change of a few ms takes several rounds. The
+processes now share XLA's autotuning results (``--xla_gpu_per_fusion_autotune_cache_dir``, a
+temporary folder; ``--own-autotuning`` for the old behaviour), so the GEMMs and fusions that XLA
+autotunes get the same choices in every process; whether that narrows the spread is not yet
+measured. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="llama3_8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--unprotected", action="store_true", help="the stock step (cuDNN attention)")
+    ap.add_argument(
+        "--own-autotuning",
+        action="store_true",
+        help="each process autotunes its own GEMMs (by default all reuse the first process's results)",
+    )
     ap.add_argument("--tag", default="")
     ap.add_argument("--note", default="")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -90,28 +99,28 @@ def main(argv=None) -> None:
         setting[name] = value
     if not setting:
         raise ValueError("benchmarks.step_ab: give the variant's setting with --env NAME=VALUE")
-    base_env = {k: v for k, v in os.environ.items() if k not in setting}
-    variants = [("base", base_env), (" ".join(args.env), {**base_env, **setting})]
-    child = [
-        sys.executable,
-        "-m",
-        "benchmarks.step_ab",
-        "--child",
-        *(a for a in sys.argv[1:] if a != "--child"),
-    ]
-    runs = []
-    for r in range(args.rounds):
-        for name, env in variants:
-            out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("STEP_AB ")), None)
-            if out.returncode != 0 or line is None:
-                raise RuntimeError(f"benchmarks.step_ab: the {name} run failed:\n{out.stderr[-3000:]}")
-            steps = json.loads(line[len("STEP_AB ") :])["step_seconds"]  # the compiling one left out
-            runs.append((name, r, steps))
-            print(
-                f"round {r} {name}: median step {1e3 * np.median(steps):.2f} ms over {len(steps)} steps",
-                flush=True,
-            )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    child = [sys.executable, "-m", "benchmarks.step_ab", "--child", *(a for a in argv if a != "--child")]
+    with tempfile.TemporaryDirectory() as cache:
+        base_env = {k: v for k, v in os.environ.items() if k not in setting}
+        flags = base_env.get("XLA_FLAGS", "")
+        if not args.own_autotuning and "autotune_cache_dir" not in flags:
+            # Every process after the first reuses the first's GEMM and fusion autotuning, so the
+            # variants differ only in the setting (different choices per process are one suspect
+            # for the spread between processes running the same code; not confirmed).
+            base_env["XLA_FLAGS"] = f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={cache}".strip()
+        variants = [("base", base_env), (" ".join(args.env), {**base_env, **setting})]
+        runs = []
+        for r in range(args.rounds):
+            for name, env in variants:
+                out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
+                line = next((x for x in out.stdout.splitlines() if x.startswith("STEP_AB ")), None)
+                if out.returncode != 0 or line is None:
+                    raise RuntimeError(f"benchmarks.step_ab: the {name} run failed:\n{out.stderr[-3000:]}")
+                steps = json.loads(line[len("STEP_AB ") :])["step_seconds"]  # the compiling one left out
+                runs.append((name, r, steps))
+                med = 1e3 * np.median(steps)
+                print(f"round {r} {name}: median step {med:.2f} ms over {len(steps)} steps", flush=True)
     rows = summarize(runs)
     for row in rows:
         print(
