@@ -131,8 +131,9 @@ from profiler traces of loops of 10 and 20 trips, differenced, and `dev_vs_xla_r
 Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
 (no recompute) in alternating processes without and with an environment setting that the native
 handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead
-of the tile kernel). One row per process (its median step), then per variant the median of all its
-steps; `vs_base` = the base's median / the variant's (> 1: the variant is faster).
+of the tile kernel), sharing XLA's autotuning results between the processes since the first run
+(2026-12-03's file predates that). One row per process (its median step), then per variant the
+median of all its steps; `vs_base` = the base's median / the variant's (> 1: the variant is faster).
 """
 
 
