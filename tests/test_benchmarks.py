@@ -491,6 +491,4 @@ def test_kernel_times_need_a_device_timeline():
         pytest.skip("the device timeline's absence is a CPU's")
     x = jnp.ones((64, 64), jnp.float32)
     assert profile.kernel_us(jax.jit(lambda a: a @ a), x) == {}
-    assert finish.device_time(lambda c: (c[0] * 2.0, c[1]), (x, jnp.float32(0))) != finish.device_time(
-        lambda c: (c[0] * 2.0, c[1]), (x, jnp.float32(0))
-    )  # NaN is not equal to itself
+    assert np.isnan(finish.device_time(lambda c: (c[0] * 2.0, c[1]), (x, jnp.float32(0))))
