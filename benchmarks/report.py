@@ -128,6 +128,13 @@ overhead per trip (more than a 67 MB read takes on an H200: those columns cannot
 of one product apart); the `*_dev_*` columns (from 2026-12-03) are the kernels' device time alone,
 from profiler traces of loops of 10 and 20 trips, differenced, and `dev_vs_xla_read` their ratio.
 
+Reading the bounds table: `python -m benchmarks.run --suite bounds` times the XLA side of the
+verified flash attention at one Llama-3-8B attention layer (B = 1, T = 8192, 32/8 heads, D = 128):
+the forward's checksum tiles and per-row bounds (`flash_bounds`, from q, k, v) and the backward's
+(`flash_bwd_bounds`, from q, k, v, do, with δ from the same read of do), by their kernels' device
+time in one call, against XLA summing the same inputs once in the same run. `reads` = bounds time /
+that read's: how many times over the bounds read their inputs; `largest` names the costliest kernel.
+
 Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
 (no recompute) in alternating processes without and with an environment setting that the native
 handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead

@@ -13,6 +13,7 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --re
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
+python -m benchmarks.run --suite bounds                  # the verified flash attention's XLA-side bounds
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from models.llama3 import REMAT_POLICIES
 
-from . import abft_campaign, finish, llama3, matmul, memory, ops, peers, routing
+from . import abft_campaign, bounds, finish, llama3, matmul, memory, ops, peers, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
@@ -40,6 +41,7 @@ def main() -> None:
         "matmul",
         "matmul-parts",
         "finish",
+        "bounds",
         "abft",
         "memory",
         "pim",
@@ -109,6 +111,7 @@ def main() -> None:
         ("matmul", lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
         ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
+        ("bounds", bounds.run),
         ("abft", abft_campaign.run),
         ("memory", memory.run_store),
         ("pim", memory.run_pim),

@@ -492,3 +492,27 @@ def test_kernel_times_need_a_device_timeline():
     x = jnp.ones((64, 64), jnp.float32)
     assert profile.kernel_us(jax.jit(lambda a: a @ a), x) == {}
     assert np.isnan(finish.device_time(lambda c: (c[0] * 2.0, c[1]), (x, jnp.float32(0))))
+
+
+def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
+    """The bounds suite runs both bounds at a small shape after checking the backward's block sums,
+    δ and a row bound against f64 sums on the host; bounds that are wrong (here a block sum of the
+    wrong rows) are refused before anything is timed. Device columns are NaN on a CPU."""
+    import jax
+
+    from benchmarks import bounds
+
+    rows = bounds.run(t=256, h=4, kv=2, d=64)
+    assert [r["bounds"] for r in rows] == ["forward", "backward"]
+    assert rows[1]["mb"] == pytest.approx(rows[0]["mb"] + 2 * 256 * 4 * 64 * 2 / 1e6)  # do and out
+    if jax.default_backend() == "cpu":
+        assert all(np.isnan(r["dev_ms"]) and np.isnan(r["reads"]) for r in rows)
+    real = bounds.flash_bwd_bounds
+
+    def shifted(*a, **kw):  # each query block's sums one block later: a layout slip
+        bd = real(*a, **kw)
+        return bd | dict(qs=jax.numpy.roll(bd["qs"], 1, axis=2))
+
+    monkeypatch.setattr(bounds, "flash_bwd_bounds", shifted)
+    with pytest.raises(AssertionError, match="qs differs"):
+        bounds.run(t=256, h=4, kv=2, d=64)

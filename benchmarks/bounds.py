@@ -1,0 +1,84 @@
+"""The verified flash attention's bounds alone: what XLA computes around the kernels.
+
+``flash_bounds`` (the forward's checksum tiles and per-row bounds, from q, k, v) and
+``flash_bwd_bounds`` (the backward's, from q, k, v, do, with δ = rowsum(do ∘ out) from the same
+read of do) at one attention layer of the Llama-3-8B step, timed by their kernels' device time
+(profiler traces of one call), against XLA reading the same inputs once (a sum of each in f32) in
+the same run. Both are bandwidth-bound: their outputs are small next to their inputs, so
+``reads`` (bounds time / one read's) says how many times over they read their inputs' bytes.
+Every result is checked against the reference before timing: the tiles against a pure-XLA
+materialisation of the same sums (``_check``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimlayers.ops._flash import flash_bounds
+from pimlayers.ops._flash_bwd import _c_block, flash_bwd_bounds
+
+from .profile import kernel_us
+
+__all__ = ["run"]
+
+
+def _inputs(b: int, t: int, h: int, kv: int, d: int):
+    keys = jax.random.split(jax.random.key(0), 5)
+    shapes = ((b, t, h, d), (b, t, kv, d), (b, t, kv, d), (b, t, h, d), (b, t, h, d))
+    return [
+        jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16)
+        for key, s in zip(keys, shapes, strict=True)
+    ]
+
+
+def _check(bd: dict, q, k, do, out, lam: float, bq: int = 64, bk: int = 64) -> None:
+    """Spot checks of the backward's results for query head 0 (KV head 0) against f64 sums on the
+    host: a wrong layout or reduction fails them."""
+    f64 = lambda x: np.asarray(x, np.float64)
+    qh, kh = f64(q[0, :, 0, :]), f64(k[0, :, 0, :])  # (T, D), (S, D)
+    kmax = np.abs(kh).reshape(-1, bk, kh.shape[-1]).sum(axis=1).max(axis=0)  # (D,)
+    want = dict(
+        qs=qh.reshape(-1, bq, qh.shape[-1]).sum(axis=1),  # block sums (T/bq, D): the tile's hi + lo
+        delta=(f64(do[0, :, 0, :]) * f64(out[0, :, 0, :])).sum(axis=-1),
+        tol_s=_c_block(lam, qh.shape[-1], bk) * (np.abs(qh) @ kmax),
+    )
+    got = dict(qs=f64(bd["qs"][0, 0, :, 0]) + f64(bd["qs"][0, 0, :, 1]), delta=f64(bd["delta"][0, 0]))
+    got["tol_s"] = f64(bd["tol_s"][0, 0])
+    for name, w in want.items():
+        err = np.max(np.abs(got[name] - w)) / np.max(np.abs(w))
+        if not err <= 1e-5:
+            raise AssertionError(f"bounds: {name} differs from the host's f64 sums by {err:.3g} (relative)")
+
+
+def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: float = 8.0) -> list[dict]:
+    q, k, v, do, out = _inputs(b, t, h, kv, d)
+    fwd = jax.jit(lambda q, k, v: flash_bounds(q, k, v, lam=lam))
+    bwd = jax.jit(lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=lam, out=out))
+    _check(bwd(q, k, v, do, out), q, k, do, out, lam)
+    read = jax.jit(lambda *xs: sum(jnp.sum(x, dtype=jnp.float32) for x in xs))
+    rows = []
+    for name, fn, args in (("forward", fwd, (q, k, v)), ("backward", bwd, (q, k, v, do, out))):
+        us, read_us = kernel_us(fn, *args), kernel_us(read, *args)
+        nbytes = sum(x.size * x.dtype.itemsize for x in args)
+        # NaN without a device timeline (a CPU): kernel_us is empty there.
+        dev = sum(us.values()) / 1e3 if us else float("nan")
+        rd = sum(read_us.values()) / 1e3 if read_us else float("nan")
+        top = us.most_common(1)[0] if us else ("", float("nan"))
+        rows.append(
+            dict(
+                bounds=name,
+                shape=f"B{b} T{t} H{h}/{kv} D{d}",
+                mb=nbytes / 1e6,
+                dev_ms=dev,
+                gbs=nbytes / dev / 1e6,
+                kernels=len(us),
+                largest=top[0][:48],
+                largest_ms=top[1] / 1e3,
+                xla_read_dev_ms=rd,
+                # > 1: the bounds read their inputs' bytes that many times over XLA's one read.
+                reads=dev / rd,
+            )
+        )
+    return rows
