@@ -9,6 +9,8 @@ python -m benchmarks.profile --config llama3_tiny --seq 64 --layers 1 --protect 
 python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms --hlo-dump  # + ops
 python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy gemms --hlo-dump \
     --save 4layers --note "..."    # also results files: the kernels and (with --hlo-dump) the ops
+python -m benchmarks.profile --compare benchmarks/results/<on>.json benchmarks/results/<off>.json \
+    --save TAG                     # two saved op tables side by side: what protection adds, per op
 
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
@@ -21,7 +23,9 @@ host's events per step (the runtime's spans, the CUDA calls: where the host's ti
 device waits on it), and writes them as JSON next to the traces (``--out``). ``--hlo-dump`` has XLA
 dump the optimised programs and names, for each kernel, the op it came from (a fusion's kernel is
 named after its HLO instruction, whose metadata holds the JAX scope: inside XLA's command buffers
-the trace's own scopes name only the buffer), with a table of all kernels grouped by op. ``--save
+the trace's own scopes name only the buffer), with a table of all kernels grouped by op (ms and
+kernels launched per step). ``--compare`` runs nothing: it sets two such tables (``profile-sources``
+files of the protected and the unprotected step) side by side per op (``profile-compare``). ``--save
 TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
 (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
@@ -89,13 +93,16 @@ def _scope(e: dict) -> str:
     return "(no scope recorded)"
 
 
-def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collections.Counter, int]:
-    """(timeline, µs by kernel name, µs by scope, number of events) of the trace's device kernels,
-    or with no device timeline, of the host's XLA ops."""
+def _sums(
+    trace_dir: pathlib.Path,
+) -> tuple[str, collections.Counter, collections.Counter, int, collections.Counter]:
+    """(timeline, µs by kernel name, µs by scope, number of events, events by kernel name) of the
+    trace's device kernels, or with no device timeline, of the host's XLA ops."""
     events, procs = _events(trace_dir)
     device = _device_pids(procs)
     by_name: collections.Counter = collections.Counter()
     by_scope: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
     n = 0
     for e in events:
         if e.get("ph") != "X":
@@ -105,8 +112,9 @@ def _sums(trace_dir: pathlib.Path) -> tuple[str, collections.Counter, collection
         dur = float(e.get("dur", 0.0))
         by_name[e["name"]] += dur
         by_scope[_scope(e)] += dur
+        count[e["name"]] += 1
         n += 1
-    return ("device" if device else "host"), by_name, by_scope, n
+    return ("device" if device else "host"), by_name, by_scope, n, count
 
 
 def kernel_us(fn: typing.Callable[..., typing.Any], *args, warmup: int = 2) -> collections.Counter:
@@ -121,7 +129,7 @@ def kernel_us(fn: typing.Callable[..., typing.Any], *args, warmup: int = 2) -> c
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready(fn(*args))
-        timeline, by_name, _, _ = _sums(pathlib.Path(d))
+        timeline, by_name, *_ = _sums(pathlib.Path(d))
     if timeline != "device":
         return collections.Counter()
     return collections.Counter({k: v for k, v in by_name.items() if not k.startswith(("Memcpy", "Memset"))})
@@ -288,10 +296,11 @@ def summarize(
     time (``idle_ms``) and the ``gaps`` that make it, largest first (ms and count per step). With
     ``sources`` (``hlo_sources``), each kernel row names the op it came from and a ``sources`` table
     adds up every kernel, not only the top ones, by op (``_group``)."""
-    timeline, names, scopes, n = _sums(trace_dir)
+    timeline, names, scopes, n, counts = _sums(trace_dir)
     if base_dir is not None:
-        _, names0, scopes0, n0 = _sums(base_dir)
+        _, names0, scopes0, n0, counts0 = _sums(base_dir)
         names, scopes, n = _minus(names, names0), _minus(scopes, scopes0), n - n0
+        counts = _minus(counts, counts0)
     total = sum(names.values()) / steps
 
     def table(c: collections.Counter) -> list[dict]:
@@ -306,9 +315,14 @@ def summarize(
         for r in out["kernels"]:
             r["source"] = sources.get(r["name"], "")
         by_op: collections.Counter = collections.Counter()
+        launches: collections.Counter = collections.Counter()
         for name, us in names.items():
-            by_op[_group(sources[name]) if name in sources else _family(name)] += us
+            op = _group(sources[name]) if name in sources else _family(name)
+            by_op[op] += us
+            launches[op] += counts[name]
         out["sources"] = table(by_op)
+        for r in out["sources"]:  # kernels launched per step for the op (each a launch gap)
+            r["count"] = launches[r["name"]] / steps
     if timeline == "device":
         idle, (host, calls) = _idle(trace_dir), _host(trace_dir)
         if base_dir is not None:
@@ -351,9 +365,33 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
     tables = {"profile-protect" if protect else "profile-off": kernels}
     if "sources" in summary:
         tables["profile-sources"] = [{"op": "(all device kernels)", **total}] + [
-            {"op": r["name"], "ms_per_step": r["ms"], "share": r["share"]} for r in summary["sources"]
+            {"op": r["name"], "ms_per_step": r["ms"], "share": r["share"], "count_per_step": r["count"]}
+            for r in summary["sources"]
         ]
     return tables
+
+
+def compare(protect: list[dict], off: list[dict]) -> list[dict]:
+    """Two ``profile-sources`` tables of one step, protection on and off, side by side per op: ms and
+    kernels per step in each and what protection adds, the largest addition first, led by the
+    totals' row. An op only one of the steps runs has zeros for the other."""
+    on = {r["op"]: r for r in protect}
+    base = {r["op"]: r for r in off}
+    rows = []
+    for op in on.keys() | base.keys():
+        a, b = on.get(op, {}), base.get(op, {})
+        ms_on, ms_off = a.get("ms_per_step", 0.0), b.get("ms_per_step", 0.0)
+        n_on, n_off = a.get("count_per_step", float("nan")), b.get("count_per_step", float("nan"))
+        if op not in on:
+            n_on = 0.0
+        if op not in base:
+            n_off = 0.0
+        rows.append(
+            dict(op=op, protect_ms=ms_on, off_ms=ms_off, added_ms=ms_on - ms_off, protect_n=n_on, off_n=n_off)
+        )
+    total = "(all device kernels)"
+    rows.sort(key=lambda r: (r["op"] != total, -r["added_ms"]))
+    return rows
 
 
 def main() -> None:
@@ -392,7 +430,27 @@ def main() -> None:
         help="also write the tables to benchmarks/results/<date>-profile-...-<TAG>-<device>.json",
     )
     ap.add_argument("--note", default="", help="with --save: a note stored with the tables")
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("PROTECT", "OFF"),
+        help="no run: two saved profile-sources files side by side per op (with --save: a results file)",
+    )
     args = ap.parse_args()
+    if args.compare:
+        tables = [json.loads(pathlib.Path(f).read_text()) for f in args.compare]
+        rows = compare(tables[0]["rows"], tables[1]["rows"])
+        note = args.note or f"{args.compare[0]} against {args.compare[1]}"
+        command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
+        if args.save is not None:
+            print(f"wrote {write_result('profile-compare', rows, command, tag=args.save, note=note)}")
+        print(f"{'added ms':>9} {'on ms':>8} {'off ms':>8} {'on n':>7} {'off n':>7}  op (per step)")
+        for r in rows[: args.top]:
+            print(
+                f"{r['added_ms']:9.2f} {r['protect_ms']:8.2f} {r['off_ms']:8.2f} "
+                f"{r['protect_n']:7.0f} {r['off_n']:7.0f}  {r['op'][:90]}"
+            )
+        return
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
     dump = out / "hlo"
     if args.hlo_dump:  # read when the backends start, which the first jax.devices() below does
@@ -443,7 +501,8 @@ def main() -> None:
         print(f"\n{title} (ms per step{what}):")
         for r in s[title]:
             src = f"  <- {r['source'][-70:]}" if r.get("source") else ""
-            print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%  {r['name'][:100]}{src}")
+            n = f"  {r['count']:6.0f} kernels" if "count" in r else ""
+            print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%{n}  {r['name'][:100]}{src}")
     if "idle_ms" in s and not s["idle_measured"]:
         print(
             f"\ndevice idle: not measured (the two runs' one-off gaps differ by more than the steps' idle: "

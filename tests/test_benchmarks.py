@@ -119,6 +119,9 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     finish = [r for r in s["kernels"] if r["source"].endswith("pimlayers_abft_finish")]
     assert finish and all(r["source"].startswith("pimlayers.protected_matmul/") for r in finish)
     assert sum(by_source.values()) == pytest.approx(s["total_ms"])
+    # Kernels per op: every op ran at least once a call, and the ops' counts add up to the events.
+    assert all(r["count"] >= 1 for r in s["sources"])
+    assert sum(r["count"] for r in s["sources"]) == pytest.approx(s["events"])
 
     # --save: the same tables as results rows, each led by the total of all kernels.
     tables = profile.result_tables(s, protect=True)
@@ -134,6 +137,7 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     assert [r["kernel"] for r in kern[1:]] == [r["name"][:90] for r in s["kernels"]]
     assert any(r["hlo_op"].endswith("pimlayers_abft_finish") for r in kern[1:])
     assert sum(r["ms_per_step"] for r in ops_[1:]) == pytest.approx(s["total_ms"])
+    assert [r["count_per_step"] for r in ops_[1:]] == [r["count"] for r in s["sources"]]
     s.pop("sources")
     assert list(profile.result_tables(s, protect=False)) == ["profile-off"]
 
@@ -239,10 +243,20 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     }
     # Launches: init once, gemm and check per step (4 steps, 1 step), warm_only once in the short run.
     events = {tmp_path / "long": 1 + 4 * 2, tmp_path / "short": 1 + 1 * 2 + 1}
+    launches = {
+        tmp_path / "long": {"init": 1, "gemm": 4, "check": 4},
+        tmp_path / "short": {"init": 1, "gemm": 1, "check": 1, "warm_only": 1},
+    }
     monkeypatch.setattr(
         profile,
         "_sums",
-        lambda d: ("device", collections.Counter(us[d]), collections.Counter(us[d]), events[d]),
+        lambda d: (
+            "device",
+            collections.Counter(us[d]),
+            collections.Counter(us[d]),
+            events[d],
+            collections.Counter(launches[d]),
+        ),
     )
     gap = {  # idle µs by (before, after): "wait" 60 per step, "start" once in either run
         tmp_path / "long": {("gemm", "check"): 180.0, ("init", "gemm"): 50.0},
@@ -287,6 +301,12 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     assert [(g["before"], g["after"], g["count"]) for g in s["phases"]] == [("check", "gemm", 1 / 3)]
     assert [(h["name"], round(h["ms"] * 1e3, 9), h["count"]) for h in s["host"]] == [
         ("cuGraphLaunch", 10.0, 5.0)
+    ]
+    # By op (gemm and check from one op): time and launches per step, differenced like the rest.
+    src = {"gemm": "pimlayers.op/dot", "check": "pimlayers.op/dot", "init": "init/x", "warm_only": "w/x"}
+    by_op = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3, sources=src)["sources"]
+    assert [(r["name"], round(r["ms"] * 1e3, 9), r["count"]) for r in by_op] == [
+        ("pimlayers.op/dot", 110.0, 2.0)
     ]
     # A shorter run with more one-off idle (a compile between its kernels) than the longer run's
     # steps add: the difference is negative and flagged as measuring nothing.
@@ -516,3 +536,31 @@ def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
     monkeypatch.setattr(bounds, "flash_bwd_bounds", shifted)
     with pytest.raises(AssertionError, match="qs differs"):
         bounds.run(t=256, h=4, kv=2, d=64)
+
+
+def test_profile_compare_sets_two_op_tables_side_by_side():
+    """What protection adds per op: the totals' row first, then the largest addition; an op one step
+    lacks counts zero there (time and kernels), not missing."""
+    from benchmarks import profile
+
+    total = "(all device kernels)"
+    on = [
+        {"op": total, "ms_per_step": 10.0, "share": 1.0},
+        {"op": "a", "ms_per_step": 4.0, "share": 0.4, "count_per_step": 2.0},
+        {"op": "checks", "ms_per_step": 3.0, "share": 0.3, "count_per_step": 7.0},
+        {"op": "b", "ms_per_step": 3.0, "share": 0.3, "count_per_step": 1.0},
+    ]
+    off = [
+        {"op": total, "ms_per_step": 6.0, "share": 1.0},
+        {"op": "a", "ms_per_step": 3.5, "share": 0.6, "count_per_step": 2.0},
+        {"op": "b", "ms_per_step": 2.0, "share": 0.3, "count_per_step": 1.0},
+        {"op": "gone", "ms_per_step": 0.5, "share": 0.1, "count_per_step": 4.0},
+    ]
+    rows = profile.compare(on, off)
+    assert [r["op"] for r in rows] == [total, "checks", "b", "a", "gone"]
+    by = {r["op"]: r for r in rows}
+    assert by[total]["added_ms"] == pytest.approx(4.0)
+    assert by["checks"] == dict(
+        op="checks", protect_ms=3.0, off_ms=0.0, added_ms=3.0, protect_n=7.0, off_n=0.0
+    )
+    assert by["gone"]["added_ms"] == pytest.approx(-0.5) and by["gone"]["protect_n"] == 0.0
