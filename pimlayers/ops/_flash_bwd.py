@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._flash import CS, _flip, _load, _ratio, _split, _stream, _tile
+from ._flash import CS, _block_sums, _flip, _load, _ratio, _split, _stream, _tile
 from ._fused_gemm import hopper
 
 __all__ = [
@@ -142,19 +142,6 @@ def flash_bwd_supported(q_shape, k_shape, dtype, causal: bool, config: FlashBwdC
         and s % (2 * cfg.block_kv) == 0
         and (not causal or (t == s and (2 * cfg.block_kv) % cfg.block_q == 0))
     )
-
-
-def _block_sums(x, n: int):
-    """(B, L, H, D) -> two (B, L/n, H, D) f32: each block of n rows' sum and its sum of |rows|. One
-    reduction over the block's rows, its outputs in x's own order (heads, then D, minor); callers
-    transpose the small results. With the heads moved ahead of the blocks inside it, XLA's fusion
-    wrote two output layouts and read q at 0.54 TB/s in the H200's training step. In this form the
-    backward's bounds took 0.329 ms against 0.373 at one Llama-3-8B layer (H200, 2026-12-03,
-    ``python -m benchmarks.run --suite bounds``), still 4.7 times one XLA read of their inputs: the
-    largest kernel, a reduction, 0.115 ms. A kernel of its own could read each operand once."""
-    b, rows, h, d = x.shape
-    xf = x.astype(jnp.float32).reshape(b, rows // n, n, h, d)
-    return jnp.sum(xf, axis=2), jnp.sum(jnp.abs(xf), axis=2)
 
 
 def _row_sums(x, vec, other=None, norms: bool = True):
