@@ -153,13 +153,21 @@ def device_name() -> str:
 
 
 def write_result(
-    suite: str, rows: list[dict[str, Any]], command: str, *, tag: str = "", note: str = ""
+    suite: str,
+    rows: list[dict[str, Any]],
+    command: str,
+    *,
+    tag: str = "",
+    note: str = "",
+    measured_on: dict[str, str] | None = None,
 ) -> pathlib.Path:
     """Write ``rows`` to ``benchmarks/results/<date>-<suite>[-<tag>]-<device>.json`` (replacing a file of
     that name: a second run the same day needs its own ``tag`` to keep the first) with the date,
     device, versions, command, the code's commit where the checkout is a git repository (``-dirty``
     with uncommitted changes), the digest of its source files (``source_digest``) and an optional
-    ``note`` (shown above the table in docs/benchmarks.md).
+    ``note`` (shown above the table in docs/benchmarks.md). ``measured_on`` (``device``, ``jax``,
+    ``python``) names where rows derived from other results files were measured, in place of this
+    process's (a table built here from GPU measurements is still a GPU table).
     """
     if tag and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", tag):
         raise ValueError(
@@ -167,16 +175,16 @@ def write_result(
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
-    dev = device_name().replace(":", "-").replace(" ", "_")
+    where = {"device": device_name(), "jax": jax.__version__, "python": platform.python_version()}
+    if measured_on is not None:
+        if set(measured_on) - set(where):
+            raise ValueError(
+                f"write_result: measured_on keys {sorted(measured_on)}; expected some of {sorted(where)}"
+            )
+        where.update(measured_on)
+    dev = where["device"].replace(":", "-").replace(" ", "_")
     path = RESULTS / f"{now:%Y-%m-%d}-{suite}{'-' + tag if tag else ''}-{dev}.json"
-    payload = {
-        "suite": suite,
-        "date": now.isoformat(timespec="seconds"),
-        "device": device_name(),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "command": command,
-    }
+    payload = {"suite": suite, "date": now.isoformat(timespec="seconds"), **where, "command": command}
     commit = code_commit()
     if commit:
         payload["commit"] = commit

@@ -394,6 +394,26 @@ def compare(protect: list[dict], off: list[dict]) -> list[dict]:
     return rows
 
 
+def measured_on(tables: list[dict], paths: list[str]) -> dict[str, str]:
+    """Where two saved ``profile-sources`` tables were measured: their common device and jax version
+    (and the first one's Python). Tables of another suite, or of two devices or jax versions, are not
+    one comparison."""
+    for t, p in zip(tables, paths, strict=True):
+        if t.get("suite") != "profile-sources":
+            suite = t.get("suite")
+            raise ValueError(
+                f"benchmarks.profile --compare: {p} holds suite {suite!r}; expected 'profile-sources'"
+            )
+    for key in ("device", "jax"):
+        a, b = (t.get(key) for t in tables)
+        if a != b:
+            raise ValueError(
+                f"benchmarks.profile --compare: the tables' {key} differ ({a} vs {b}); "
+                "expected two tables of one device and one jax version"
+            )
+    return {k: str(tables[0][k]) for k in ("device", "jax", "python") if k in tables[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama3_8b")
@@ -443,9 +463,15 @@ def main() -> None:
         note = args.note or f"{args.compare[0]} against {args.compare[1]}"
         command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
         if args.save is not None:
-            print(f"wrote {write_result('profile-compare', rows, command, tag=args.save, note=note)}")
+            where = measured_on(tables, args.compare)
+            path = write_result("profile-compare", rows, command, tag=args.save, note=note, measured_on=where)
+            print(f"wrote {path}")
         print(f"{'added ms':>9} {'on ms':>8} {'off ms':>8} {'on n':>7} {'off n':>7}  op (per step)")
-        for r in rows[: args.top]:
+        # The largest additions, then (past --top) the ops protection removes, the largest first:
+        # the unprotected step's own kernels (cuDNN's attention) it replaces.
+        shown = rows[: args.top]
+        removed = sorted((r for r in rows[args.top :] if r["added_ms"] < 0), key=lambda r: r["added_ms"])
+        for r in shown + removed[: max(args.top // 3, 1)]:
             print(
                 f"{r['added_ms']:9.2f} {r['protect_ms']:8.2f} {r['off_ms']:8.2f} "
                 f"{r['protect_n']:7.0f} {r['off_n']:7.0f}  {r['op'][:90]}"

@@ -564,3 +564,33 @@ def test_profile_compare_sets_two_op_tables_side_by_side():
         op="checks", protect_ms=3.0, off_ms=0.0, added_ms=3.0, protect_n=7.0, off_n=0.0
     )
     assert by["gone"]["added_ms"] == pytest.approx(-0.5) and by["gone"]["protect_n"] == 0.0
+
+
+def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
+    """A comparison built on this machine from GPU tables is a GPU table (its file name and fields
+    say where the numbers were measured); tables of two devices, or not op tables, are refused."""
+    import json
+
+    from benchmarks import _harness, profile
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path / "results")
+    rows = [{"op": "(all device kernels)", "ms_per_step": 1.0, "share": 1.0}]
+    gpu = dict(suite="profile-sources", device="gpu:NVIDIA H200", jax="0.11.2", python="3.12.3", rows=rows)
+    paths = []
+    for name, table in (("on", gpu), ("off", gpu), ("cpu", {**gpu, "device": "cpu:cpu"})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(table))
+        paths.append(str(tmp_path / f"{name}.json"))
+    monkeypatch.setattr("sys.argv", ["profile", "--compare", paths[0], paths[1], "--save", "t"])
+    profile.main()
+    (saved,) = (tmp_path / "results").iterdir()
+    assert saved.name.endswith("-profile-compare-t-gpu-NVIDIA_H200.json")
+    payload = json.loads(saved.read_text())
+    assert (payload["device"], payload["jax"], payload["python"]) == ("gpu:NVIDIA H200", "0.11.2", "3.12.3")
+    monkeypatch.setattr("sys.argv", ["profile", "--compare", paths[0], paths[2], "--save", "t"])
+    with pytest.raises(ValueError, match="device differ"):
+        profile.main()
+    kernels = tmp_path / "k.json"
+    kernels.write_text(json.dumps({**gpu, "suite": "profile-protect"}))
+    monkeypatch.setattr("sys.argv", ["profile", "--compare", str(kernels), paths[1], "--save", "t"])
+    with pytest.raises(ValueError, match="expected 'profile-sources'"):
+        profile.main()
