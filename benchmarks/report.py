@@ -115,6 +115,10 @@ protection, so their difference is what protection costs and where. Those files 
 (its initialisation and final repair and evaluation included); the tool now traces runs of 1 and
 1 + N steps and divides their difference by N, cancelling that one-off work. An `hlo_op` column names
 the operation a kernel's HLO instruction came from, read from an XLA dump of the same step program.
+`profile-sources` groups every kernel by that op (ms and kernels per step); `profile-compare`
+(`python -m benchmarks.profile --compare ON OFF --save TAG`, no run of its own) sets a protected and
+an unprotected `profile-sources` table of one device side by side: `added_ms` is what protection
+adds per op (negative: the unprotected step's own ops it replaces, cuDNN's attention among them).
 
 Reading the finish table: `python -m benchmarks.run --suite finish` times `abft_finish` alone (in
 place, carried through a jitted loop as the training step runs it) at every product a Llama-3-8B

@@ -415,3 +415,17 @@ def test_the_front_ends_pass_flash_through():
     )
     y_eqx = jax.vmap(e)(x)
     np.testing.assert_allclose(np.asarray(y_eqx), np.asarray(y_mat), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 64])
+def test_block_sums_are_the_blocks_sums_and_abs_sums(n):
+    """The bounds' block sums (a pairwise tree of adds, an odd part carried up) against f64 sums, for
+    block sizes that are and are not powers of two; f32 rounding only (6 levels at n = 64)."""
+    from pimlayers.ops._flash import _block_sums
+
+    x = jax.random.normal(jax.random.key(3), (2, 4 * n, 3, 8), jnp.float32).astype(jnp.bfloat16)
+    s, a = _block_sums(x, n)
+    xb = np.asarray(x, np.float64).reshape(2, 4, n, 3, 8)
+    assert s.shape == a.shape == (2, 4, 3, 8) and s.dtype == a.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(s), xb.sum(2), rtol=0, atol=8 * 2.0**-24 * np.abs(xb).sum(2).max())
+    np.testing.assert_allclose(np.asarray(a), np.abs(xb).sum(2), rtol=8 * 2.0**-24)
