@@ -25,7 +25,15 @@ def _xw(m, k, n, dtype=jnp.float32, scale=1.0, seed=0):
 
 
 def _plain(x, w):
-    return jnp.matmul(x, w, precision=HI, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
+    """The unprotected product as a plain layer computes it: bf16 operands in one bf16-out GEMM (XLA
+    rounds its f32 accumulator once; flax's Linear is this dot), other dtypes accumulated in f32 and
+    cast. Which f32 order a bf16-out GEMM sums in is the backend's: on a CPU with AMX-BF16, XLA's
+    bf16-out dot and its f32-out dot sum in different orders, so an f32 product cast afterwards is
+    not the plain bf16 product bit for bit there (a value near cancellation moved by one bf16 ulp)."""
+    dt = jnp.result_type(x, w)
+    if dt == jnp.bfloat16:
+        return jnp.matmul(x, w, precision=HI, preferred_element_type=jnp.bfloat16)
+    return jnp.matmul(x, w, precision=HI, preferred_element_type=jnp.float32).astype(dt)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
