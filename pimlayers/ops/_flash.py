@@ -187,13 +187,12 @@ def _block_sums(x, n: int):
 
     Written as a pairwise tree of elementwise adds over the block's n row slices, not a reduction:
     XLA's reduction over the middle axis read the operands at about 0.6 TB/s on the H200, the adds
-    fuse into one elementwise kernel that reads each element once. Four Llama-3-8B operands (B = 1,
-    T = 8192, 32 heads, D = 128, bf16) took 52 µs of kernel time against 159 µs as reductions, the
-    backward's bounds at one layer 0.238 ms against 0.329 (``python -m benchmarks.run --suite
-    bounds``), and both bounds' kernels in a protected 4-layer training step 0.83 ms against 1.27
-    (``python -m benchmarks.profile``; H200, 2026-12-04, jax 0.11.2). The tree keeps f32 rounding
-    ceil(log2 n) additions deep (6 at n = 64): its error is at most 6·2^-24 of the |block| sum,
-    inside the checks' slack, where a left-to-right sum could reach 63·2^-24."""
+    fuse into one elementwise kernel that reads each element once. At one Llama-3-8B attention layer
+    (B = 1, T = 8192, 32/8 heads, D = 128, bf16) the backward's bounds took 0.238 ms against 0.329
+    as reductions (``python -m benchmarks.run --suite bounds``, H200, jax 0.11.2, results files of
+    2026-12-04 and 2026-12-03). The tree keeps f32 rounding ceil(log2 n) additions deep (6 at
+    n = 64): its error is at most 6·2^-24 of the |block| sum, inside the checks' slack, where a
+    left-to-right sum could reach 63·2^-24."""
     b, rows, h, d = x.shape
     xf = x.astype(jnp.float32).reshape(b, rows // n, n, h, d)
     parts = [xf[:, :, i] for i in range(n)]
