@@ -6,7 +6,8 @@ protected with the default H200 geometry (4 KiB stripes, parity groups of 8). Pe
 same run: the device copy (read + write every byte) and a read-only XLA reduction over the same bytes;
 the H200 datasheet's 4.8 TB/s is printed beside them. Copy, read, encode, scrub and update are timed
 as device time (`_harness.device_time` / `carried_time`: calls in one jitted loop), as a training
-step pays them; `call_ms` adds one call from Python, dispatch included.
+step pays them; `call_ms` adds one call from Python, dispatch included; the `dev_*` columns are the
+kernels' own time in one call (a profiler trace), without the loop's per-trip overhead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pimlayers import faults, ops
 from pimlayers.memory import BankGeometry, PimStore, PimTiming
 
 from ._harness import carried_time, device_time, fold_firsts, time_fn
+from .profile import kernel_us
 
 DATASHEET_TBS = 4.8  # NVIDIA H200: 4.8 TB/s HBM3e
 DIM, FFN, KV = 4096, 14336, 1024
@@ -60,6 +62,24 @@ def _once(fn, prepare, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
+def _kernels_s(fn, *args) -> float:
+    """Seconds of device kernels in one call of ``fn(*args)`` (a profiler trace; NaN on a CPU): the
+    device's own time, without the jitted loop's per-trip wait on its predicate, which on a GPU the
+    loop timings (`ms`) include."""
+    us = sum(kernel_us(fn, *args).values())
+    return us / 1e6 if us else float("nan")
+
+
+def _dev(nbytes: int, seconds: float, read_s: float | None = None) -> dict:
+    """Columns from a kernels-only time: ms, GB/s, against the datasheet (and an XLA read of as
+    many bytes, where given)."""
+    gbs = nbytes / seconds / 1e9
+    out = dict(dev_ms=seconds * 1e3, dev_gbs=gbs, dev_vs_datasheet=gbs / (DATASHEET_TBS * 1e3))
+    if read_s is not None:
+        out["dev_vs_read"] = read_s / seconds
+    return out
+
+
 def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]:
     rows: list[dict] = []
     params = _params(layers, dims)
@@ -79,7 +99,16 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
     t_read = device_time(read, flat, fold=lambda s: s)
     read_gbs = nbytes / t_read / 1e9
     rows.append(dict(op="device copy (XLA, read+write)", gbytes=gb, ms=t_copy * 1e3, gbs=copy_gbs))
-    rows.append(dict(op="one read of the parameters (XLA sum)", gbytes=gb, ms=t_read * 1e3, gbs=read_gbs))
+    d_read = _kernels_s(jax.jit(read), flat)
+    rows.append(
+        dict(
+            op="one read of the parameters (XLA sum)",
+            gbytes=gb,
+            ms=t_read * 1e3,
+            gbs=read_gbs,
+            **_dev(nbytes, d_read),
+        )
+    )
 
     store = PimStore(params, BankGeometry())
     state = store.encode(params)
@@ -96,6 +125,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_one_read=t_enc / t_read,
             parity_fraction=over["parity_fraction"],
             call_ms=time_fn(store._encode, params, iters=10) * 1e3,
+            **_dev(encoded, _kernels_s(store._encode, params)),
         )
     )
 
@@ -128,8 +158,27 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_read=sc_gbs / read_gbs,
             vs_datasheet=sc_gbs / (DATASHEET_TBS * 1e3),
             call_ms=time_fn(store._scrub, params, state, iters=10) * 1e3,
+            **_dev(scrubbed, _kernels_s(store._scrub, params, state), d_read * scrubbed / nbytes),
         )
     )
+    # The same store over float32 parameters: what a training step's scrub reads (its master
+    # weights), twice the bytes.
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    store32 = PimStore(p32, BankGeometry())
+    state32 = store32.encode(p32)
+    scrubbed32 = _nbytes(p32) + store32.overhead()["parity_bytes"]
+    t32 = device_time(store32._scrub, p32, state32)
+    rows.append(
+        dict(
+            op="scrub, float32 parameters",
+            gbytes=scrubbed32 / 1e9,
+            ms=t32 * 1e3,
+            gbs=scrubbed32 / t32 / 1e9,
+            vs_datasheet=scrubbed32 / t32 / 1e9 / (DATASHEET_TBS * 1e3),
+            **_dev(scrubbed32, _kernels_s(store32._scrub, p32, state32)),
+        )
+    )
+    del p32, store32, state32
 
     # The scrub's check one op per leaf (what scrub ran before bank_verify_many): checksums of each
     # leaf and of its parity, compared, and the faulty count summed.

@@ -105,6 +105,29 @@ def test_address_map_interleaves_and_keeps_groups_apart():
         AddressMap(GEO, ["x"], [GEO.capacity_bytes])
 
 
+@pytest.mark.parametrize("geo", [GEO, BankGeometry.aquabolt_xl()], ids=["small", "aquabolt"])
+def test_bank_table_counts_each_faulty_stripe_and_parity_block_in_its_bank(geo):
+    """The scrub's branch-free table against the address map's own per-stripe bank tables."""
+    from pimlayers.memory._local import BankLayout, bank_table
+
+    sizes = [1, 255, 4096 * 3 + 5, 70_000, 12, 4096 * 40]
+    amap = AddressMap(geo, [f"l{i}" for i in range(len(sizes))], [s * geo.stripe_bytes // 64 for s in sizes])
+    layout = BankLayout.of(amap)
+    rng = np.random.default_rng(0)
+    table = jax.jit(lambda b, p: bank_table(b, p, layout))
+    for density in (0.0, 0.01, 0.5, 1.0):
+        bads = [rng.random(lf.nstripes) < density for lf in amap.leaves]
+        pars = [rng.random(lf.ngroups) < density for lf in amap.leaves]
+        want = np.zeros(geo.nbanks, np.int64)
+        for i, (b, p) in enumerate(zip(bads, pars, strict=True)):
+            np.add.at(want, amap.stripe_bank(i), b)
+            np.add.at(want, amap.parity_bank(i), p)
+        got = np.asarray(table([jnp.asarray(b) for b in bads], [jnp.asarray(p) for p in pars]))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want, err_msg=f"density {density}")
+        assert got.sum() == sum(b.sum() for b in bads) + sum(p.sum() for p in pars)
+
+
 # --- construction errors ---
 
 
@@ -379,6 +402,10 @@ def test_repair_writes_in_place_and_scrub_copies_nothing():
     assert compiled["scrub"].memory_analysis().temp_size_in_bytes < sums + 4096
     assert compiled["repair"].memory_analysis().temp_size_in_bytes < parity + 3 * sums + 4096
     assert compiled["repair"].memory_analysis().alias_size_in_bytes >= nbytes  # the output is the input
+    # The scrub is branch-free (a branch's predicate makes a GPU's host wait for the scrub's
+    # kernel); the repair keeps one branch, around the rebuild of what the scrub found.
+    assert " conditional(" not in compiled["scrub"].as_text()
+    assert compiled["repair"].as_text().count(" conditional(") == 1
 
 
 def test_adopt_wraps_numpy_buffers_without_a_copy():

@@ -169,8 +169,6 @@ class PimStore:
         self.address_map = AddressMap(
             geometry, [lf.path for lf in self._leaves], [lf.local_nbytes for lf in self._leaves]
         )
-        self._stripe_bank = [jnp.asarray(self.address_map.stripe_bank(i)) for i in range(len(self._leaves))]
-        self._parity_bank = [jnp.asarray(self.address_map.parity_bank(i)) for i in range(len(self._leaves))]
         self._dev_axes = tuple(mesh.axis_names)
         self._build()
 
@@ -278,8 +276,7 @@ class PimStore:
         sspec = PimState(tuple(gspec for _ in range(n)), tuple(dev for _ in range(n)))
         rspec = P()  # a prefix: every counter replicated
         scrub_spec = ScrubResult((dev,) * n, (dev,) * n, P(), rspec)
-        nb = geo.nbanks
-        bank_tables = (tuple(self._stripe_bank), tuple(self._parity_bank))
+        layout = _local.BankLayout.of(self.address_map)
 
         def enc_local(leaves):
             guards = _local.encode_leaves(leaves, geo)
@@ -300,19 +297,11 @@ class PimStore:
             guards, xs = enc_local(leaves)
             return PimState(lead(guards), lead(xs))
 
-        def scrub_local(leaves, state, tables):
-            stripe_bank, parity_bank = tables
+        def scrub_local(leaves, state):
             guards = drop(state.guards)
             checks, faulty = _local.check_leaves(leaves, guards, geo)
-
-            def table(_):  # scatter-adds per leaf: run only when something is faulty
-                counts = jnp.zeros((nb,), jnp.int32)
-                for (_, bad, bad_par), sb, pb in zip(checks, stripe_bank, parity_bank, strict=True):
-                    counts = counts + _local.bank_counts(bad, bad_par, sb, pb, nb)
-                return counts
-
-            counts = lax.cond(faulty > 0, table, lambda _: jnp.zeros((nb,), jnp.int32), None)
-            table = lax.all_gather(counts, self._dev_axes, tiled=False).reshape(self.ndev, nb)
+            counts = _local.bank_table([c[1] for c in checks], [c[2] for c in checks], layout)
+            table = lax.all_gather(counts, self._dev_axes, tiled=False).reshape(self.ndev, geo.nbanks)
             checked = sum(int(c[1].shape[0] + c[2].shape[0]) for c in checks)
             report = FaultReport(banks_checked=checked, banks_faulty=faulty).psum(self._dev_axes)
             result = ScrubResult(
@@ -320,13 +309,13 @@ class PimStore:
             )
             return checks, guards, result
 
-        def scrub(params, state, tables):
-            _, _, result = scrub_local(jax.tree.leaves(params), state, tables)
+        def scrub(params, state):
+            _, _, result = scrub_local(jax.tree.leaves(params), state)
             return result
 
-        def repair(params, state, tables):
+        def repair(params, state):
             leaves = jax.tree.leaves(params)
-            checks, guards, found = scrub_local(leaves, state, tables)
+            checks, guards, found = scrub_local(leaves, state)
 
             def slow(ops_):
                 leaves, guards = ops_
@@ -364,14 +353,13 @@ class PimStore:
             new_params = jax.tree_util.tree_unflatten(self.treedef, new_leaves)
             return new_params, PimState(lead(guards), lead(new_xs)), report
 
-        table_spec = (tuple(P() for _ in range(n)), tuple(P() for _ in range(n)))
         enc = self._map(encode, (pspecs,), sspec)
-        scr = self._map(scrub, (pspecs, sspec, table_spec), scrub_spec)
-        rep = self._map(repair, (pspecs, sspec, table_spec), (pspecs, sspec, scrub_spec, rspec))
+        scr = self._map(scrub, (pspecs, sspec), scrub_spec)
+        rep = self._map(repair, (pspecs, sspec), (pspecs, sspec, scrub_spec, rspec))
         reb = self._map(rebuild, (pspecs, sspec, P()), (pspecs, sspec, rspec))
         self._encode = jax.jit(enc)
-        self._scrub = jax.jit(lambda p, s: scr(p, s, bank_tables))
-        self._repair = jax.jit(lambda p, s: RepairResult(*rep(p, s, bank_tables)), donate_argnums=(0, 1))
+        self._scrub = jax.jit(scr)
+        self._repair = jax.jit(lambda p, s: RepairResult(*rep(p, s)), donate_argnums=(0, 1))
         self._rebuild = jax.jit(reb, donate_argnums=(0, 1))
 
     def compiled(self, params, state: PimState) -> dict[str, Any]:
