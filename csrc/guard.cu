@@ -436,10 +436,26 @@ __device__ __forceinline__ void ReducePass(const ManyTable& T, const ManyUnit& u
   mine += lane & 1 ? base * sel_a + sel_b : sel_a;  // < 2^55 a chunk
 }
 
+// The stored checksum pair thread t of a pass compares with (thread m < 8: member m's, thread 8:
+// the parity row's), or zeros for a thread that finishes nothing.
+__device__ __forceinline__ uint2 WantPair(const ManyUnit& u, int64_t mb) {
+  const ManyLeaf& L = *u.leaf;
+  const int t = threadIdx.x;
+  const int nm = u.members - mb < kBatch ? static_cast<int>(u.members - mb) : kBatch;
+  const bool last = mb + kBatch >= u.members;
+  if (!(t < nm || (t == kBatch && last))) return make_uint2(0, 0);
+  const uint32_t* want = t < kBatch ? L.sums_in : L.psums_in;
+  const int64_t i = t < kBatch ? u.first + mb + t : u.g;
+  return make_uint2(__ldg(want + 2 * i), __ldg(want + 2 * i + 1));
+}
+
 // The eight warps' terms of a pass summed: thread m < 8 finishes member m, thread 8 the parity row.
+// `want`: WantPair(u, mb) when verifying, loaded by the caller (the fast kernel loads it with the
+// data, so its latency is not paid again after the reduction).
 template <bool kVerify>
 __device__ __forceinline__ void FinishPass(const ManyTable& T, const ManyUnit& u, int64_t mb,
-                                           uint64_t mine, uint32_t (*red)[2 * kBatch + 2]) {
+                                           uint64_t mine, uint32_t (*red)[2 * kBatch + 2],
+                                           uint2 want) {
   const ManyLeaf& L = *u.leaf;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x;
   const int nm = u.members - mb < kBatch ? static_cast<int>(u.members - mb) : kBatch;
@@ -455,8 +471,7 @@ __device__ __forceinline__ void FinishPass(const ManyTable& T, const ManyUnit& u
       uint32_t* out = t < kBatch ? L.sums : L.psums;
       out[2 * i] = r1, out[2 * i + 1] = r2;
     } else {
-      const uint32_t* want = t < kBatch ? L.sums_in : L.psums_in;
-      const bool bad = r1 != want[2 * i] || r2 != want[2 * i + 1];
+      const bool bad = r1 != want.x || r2 != want.y;
       if (t < kBatch) {
         L.sums[2 * i] = r1, L.sums[2 * i + 1] = r2;
         L.bad[i] = bad;
@@ -484,7 +499,7 @@ __global__ void __launch_bounds__(kManyThreads) ManyKernel(const ManyTable T) {
         ReducePass<kVerify>(T, u, mb, c, q, stored, mine);
         if (c % 256 == 255) mine = ModM31(mine);  // 256 chunks: below 2^63
       }
-      FinishPass<kVerify>(T, u, mb, mine, red);
+      FinishPass<kVerify>(T, u, mb, mine, red, kVerify ? WantPair(u, mb) : make_uint2(0, 0));
     }
   }
 }
@@ -499,6 +514,9 @@ __global__ void __launch_bounds__(kManyThreads, 4) ManyKernelFast(const ManyTabl
   const ManyUnit u = Locate(T, unit);
   const ManyLeaf& L = *u.leaf;
   uint4 q[kBatch], stored;
+  // The stored checksums are loaded first: their latency overlaps the data's rather than
+  // following the reduction at the end of every CTA's short life.
+  const uint2 want = kVerify ? WantPair(u, 0) : make_uint2(0, 0);
   const bool whole = u.members == kBatch && reinterpret_cast<uintptr_t>(L.x) % 16 == 0 &&
                      (u.first + kBatch) * T.bank_bytes <= L.bytes;
   if (whole && T.vecs == kManyThreads) {
@@ -516,7 +534,7 @@ __global__ void __launch_bounds__(kManyThreads, 4) ManyKernelFast(const ManyTabl
   }
   uint64_t mine = 0;
   ReducePass<kVerify>(T, u, 0, 0, q, stored, mine);
-  FinishPass<kVerify>(T, u, 0, mine, red);
+  FinishPass<kVerify>(T, u, 0, mine, red, want);
 }
 
 // The fast kernel where the geometry allows it. On the H200 (4 layers of Llama-3-8B weights, 36
