@@ -46,7 +46,8 @@ def run(
     protected step with ``FaultPolicy(recompute_blocks=redo_blocks)``: each GEMM redoes its flagged
     column blocks without a branch, where the default's recompute loop has the host read a
     predicate per GEMM. ``no_recompute`` adds a protected step with ``FaultPolicy(recompute=False)``:
-    what a check cannot locate skips the step instead of being recomputed, so no loop at all.
+    what a check cannot locate skips the step instead of being recomputed, so no loop at all (with
+    ``fused`` too, also on with the fused forward GEMM and no recompute).
     ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" (the default,
     like the dot-saving peer the goal names) keeps the linear layers' products for the backward pass;
     "full" recomputes them (the training script's default: less memory)."""
@@ -56,12 +57,13 @@ def run(
     rows: list[dict] = []
     # (protect, fused, flash, recompute_blocks, recompute): off; off with cuDNN's attention; on; with
     # ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with the branch-free
-    # recompute, with ``no_recompute`` on without recompute.
+    # recompute, with ``no_recompute`` on without recompute (and with both, fused without recompute).
     configs = [(False, False, "auto", None, True)]
     configs += [(False, False, "on", None, True)] if cudnn_peer else []
     configs += [(True, False, "auto", None, True)] + ([(True, True, "auto", None, True)] if fused else [])
     configs += [(True, False, "auto", redo_blocks, True)] if redo_blocks else []
     configs += [(True, False, "auto", None, False)] if no_recompute else []
+    configs += [(True, True, "auto", None, False)] if no_recompute and fused else []
     for protect, fz, flash, rb, redo in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(

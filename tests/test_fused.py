@@ -197,6 +197,43 @@ def test_products_that_overflow_are_gated_where_redone_and_reported(fused):
     assert np.array_equal(np.delete(y, 9, axis=0), np.delete(np.asarray(_plain(x, w), np.float32), 9, axis=0))
 
 
+def test_without_recompute_detected_blocks_are_reported_and_left_as_written(fused):
+    """``recompute=False`` (the training step's "skip" policy): the fused path is still taken, with
+    no redo; every detected block is reported uncorrectable and y is the kernel's, untouched."""
+    x, w = _xw()
+    clean = _plain(x, w)
+    skip = FUSED.replace(recompute=False)
+    pmm = lambda a, b: ops.protected_matmul(a, b, policy=skip)
+    assert _loops(pmm, x, w) == 0
+    # No redo: no GEMM in the program beyond the product and its checks (the redo adds a third).
+    dots = jax.jit(pmm).lower(x, w).as_text().count("stablehlo.dot_general")
+    assert (
+        dots
+        == jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=FUSED))
+        .lower(x, w)
+        .as_text()
+        .count("stablehlo.dot_general")
+        - 1
+    )
+    y, r = _pmm(skip)(x, w, None)
+    assert np.asarray(y).tobytes() == np.asarray(clean).tobytes()
+    assert r.to_dict()["gemm_detected"] == 0 and r.to_dict()["gemm_uncorrectable"] == 0
+    rows, cols = [3, 200], [_big(clean, 3, 0, 128), _big(clean, 200, 256, 384)]
+    y, r = _pmm(skip)(x, w, _sites(rows, cols, [30, 30]))
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_recomputed"], d["gemm_uncorrectable"]) == (
+        1,
+        0,
+        0,
+        2,
+    )
+    y, clean = np.asarray(y, np.float32), np.asarray(clean, np.float32)
+    assert y[3, cols[0]] != clean[3, cols[0]] and y[200, cols[1]] != clean[200, cols[1]]
+    keep = np.ones(M, bool)
+    keep[rows] = False
+    assert np.array_equal(y[keep], clean[keep])
+
+
 def test_new_fault_patterns_do_not_recompile(fused):
     x, w = _xw()
     clean = _plain(x, w)

@@ -289,12 +289,12 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
     blocks, correcting without a gate limit, on a GPU that runs the kernel, with ``impl="auto"``
     ("native" keeps the unfused native check, "reference" the pure-JAX one).
 
-    Only the branch-free tile redo is taken there (``_fused_check.redo_tiles``): a whole
-    recompute would need a branch, whose predicate goes through the host on a GPU.
+    With ``recompute`` only the branch-free tile redo is taken there (``_fused_check.redo_tiles``):
+    a whole recompute would need a branch, whose predicate goes through the host on a GPU.
     """
     if impl != "auto" or a_t or b_t or a.shape[0] != 1:
         return False
-    if not (policy.fused and policy.corrects and policy.recompute and policy.gate_limit is None):
+    if not (policy.fused and policy.corrects and policy.gate_limit is None):
         return False
     if policy.block_n != TILE:
         return False
@@ -305,7 +305,14 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
 
 def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, role: str):
     """``_checked_gemm`` for one bf16 GEMM on the fused kernel: y and its block sums from one kernel,
-    the check on the sums (y is not read again), detected blocks redone without a branch."""
+    the check on the sums (y is not read again), detected blocks redone without a branch.
+
+    Without ``policy.recompute`` nothing is redone, and nothing can be corrected in place either (that
+    needs y, which this path never reads): every detected block is left as the kernel wrote it and
+    reported uncorrectable (``fault_aware`` then skips the step), never silent. The unfused path
+    would have corrected a located error in place and gated non-finite values; this one trades that
+    for no redo's fixed-shape gathers and GEMM on every call.
+    """
     k = a.shape[2]
     y, sums = _fused_kernel()(a[0], b[0], _fused_config(k, b.shape[2]))
     y, sums = inject_fused(y, sums, faults)
@@ -313,8 +320,12 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
     _margins.record(role, y[None], c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     flags = fused_flags(sums, c[0], mag[0], k, policy.lam)
-    kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
-    y, pending, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
+    if policy.recompute:
+        kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
+        y, pending, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
+    else:
+        pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
+        still, gated, redone = pending, jnp.int32(0), jnp.int32(0)
     report = FaultReport(
         gemm_checked=jnp.int32(1),
         gemm_detected=(pending > 0).astype(jnp.int32),
