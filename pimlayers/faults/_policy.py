@@ -66,7 +66,8 @@ class FaultPolicy:
     # located in place: that needs y, which the fused path never reads). Not the default: on an
     # H200 it made the forward GEMM alone faster (4096 -> 14336, M = 8192: 1.65-1.71 ms against
     # 1.78-1.88) but the 4-layer Llama-3-8B-dims training step slower (419.0 against 410.3 ms, same
-    # run, with the tile redo on every forward GEMM; docs/gpu-tests.md, 2026-12-01). The kernel is
+    # run, with the tile redo on every forward GEMM; docs/gpu-tests.md, 2026-12-01), and without
+    # recompute, so without the redo, 123.7 against 118.7 ms unfused (2026-12-04). The kernel is
     # chosen when the program is traced, by JAX's first device; tested in single-device programs
     # only (not under vmap, GSPMD sharding, or a computation placed on the CPU of a GPU host).
     fused: bool = False
