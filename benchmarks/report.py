@@ -55,8 +55,9 @@ leaf" rows time the previous per-leaf path in the same run; earlier tables timed
 their dispatch. From 2026-12-04 the `dev_*` columns are the kernels' own device time in one call (a
 profiler trace: the timed loop's per-trip wait on its predicate, ~30 us on an H200, is out; goal 3
 reads `dev_vs_datasheet`), and "scrub, float32 parameters" scrubs the same weights in f32 (3.9 GB
-with parity), what a training step's scrub of its master weights reads. "update + encode" carries the parameters through the loop and writes the protection
-data as a fresh output each step, as a jitted training step does; "(state carried)" carries it too.
+with parity), what a training step's scrub of its master weights reads. "update + encode" carries
+the parameters through the loop and writes the protection data as a fresh output each step, as a
+jitted training step does; "(state carried)" carries it too.
 "train step + scrub"
 times ten steps (fwd+bwd through the MLP weights, M = 4096) with a scrub dispatched after every step
 or every tenth, against the steps alone. The gemv rows run distinct weight copies (>= 512 MB in all,
