@@ -17,6 +17,7 @@ python -m benchmarks.run --suite bounds                  # the verified flash at
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
+python -m benchmarks.run --suite launch                  # what one more kernel costs (gaps, graphs)
 python -m benchmarks.run --suite finish --layers 4 --tag before --note "..."   # keep a second file
 """
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from models.llama3 import REMAT_POLICIES
 
-from . import abft_campaign, bounds, finish, llama3, matmul, memory, ops, peers, routing
+from . import abft_campaign, bounds, finish, launch, llama3, matmul, memory, ops, peers, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
@@ -50,6 +51,7 @@ def main() -> None:
         "routing-sim",
         "routing-multi",
         "peers",
+        "launch",
     ]
     suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
@@ -120,6 +122,7 @@ def main() -> None:
         ("routing-sim", routing.run_sim),
         ("routing-multi", routing.run_multi),
         ("peers", lambda: peers.run(args.peers)),
+        ("launch", launch.run),
         (
             "llama3",
             lambda: llama3.run(

@@ -1,8 +1,10 @@
 """The benchmark suites' own checks run (tiny sizes): a broken campaign must not wait for the GPU."""
 
 import json
+import math
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,6 +28,21 @@ def test_memory_suite_quick_runs_and_repairs():
     assert bank["stripes_rebuilt"] > 0 and bank["in_place"]
     assert rows["scrub (verify every stripe + parity)"]["gbs"] > 0
     assert any(op.startswith("gemv") for op in rows)
+
+
+def test_launch_suite_counts_its_kernels_and_splits_their_cost():
+    from benchmarks import launch
+
+    rows = launch.run(n=20, size=64)
+    assert [r["kernels"] for r in rows] == [20, 22, 40]
+    for r in rows:
+        assert r["wall_ms"] > 0
+        assert r["wall_us"] * r["kernels"] == pytest.approx(r["wall_ms"] * 1e3)
+        # Kernel time needs a device timeline: NaN on a CPU, else within the wall time.
+        if jax.default_backend() == "cpu":
+            assert math.isnan(r["kernel_us"]) and math.isnan(r["gap_us"])
+        else:
+            assert 0 < r["kernel_us"] <= r["wall_us"] and r["gap_us"] >= 0
 
 
 def test_routing_suite_quick_checks_every_kernel_and_reports_the_overhead():
