@@ -143,6 +143,13 @@ the forward's checksum tiles and per-row bounds (`flash_bounds`, from q, k, v) a
 time in one call, against XLA summing the same inputs once in the same run. `reads` = bounds time /
 that read's: how many times over the bounds read their inputs; `largest` names the costliest kernel.
 
+Reading the launch table: `python -m benchmarks.run --suite launch` runs chains of 1000 dependent
+elementwise kernels on 1024 floats in one jitted program (an optimization barrier between them, so
+XLA cannot fuse them), alone and with the project's native gate after every 10th or after each
+(XLA records runs of its own kernels into CUDA graphs; a custom call it cannot record ends one). Per
+kernel: `wall_us` (the program's wall time over its kernels), `kernel_us` (their own device time, a
+profiler trace) and `gap_us`, the difference: what a kernel costs beyond its work.
+
 Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
 (no recompute) in alternating processes without and with an environment setting that the native
 handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead
