@@ -126,6 +126,8 @@ def test_bank_table_counts_each_faulty_stripe_and_parity_block_in_its_bank(geo):
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, want, err_msg=f"density {density}")
         assert got.sum() == sum(b.sum() for b in bads) + sum(p.sum() for p in pars)
+    with pytest.raises(ValueError, match="masks of"):
+        bank_table([jnp.asarray(b) for b in bads[:-1]], [jnp.asarray(p) for p in pars[:-1]], layout)
 
 
 # --- construction errors ---

@@ -156,6 +156,12 @@ def bank_table(bads, bad_pars, layout: BankLayout):
     scrub's kernel) before the scrub's program can go on.
     """
     nb, g = layout.nbanks, layout.group
+    got = ([int(b.shape[0]) for b in bads], [int(p.shape[0]) for p in bad_pars])
+    if got != (list(layout.nstripes), list(layout.ngroups)):
+        raise ValueError(
+            f"pimlayers.memory.bank_table: masks of {got[0]} stripes and {got[1]} parity groups; the "
+            f"layout has {list(layout.nstripes)} and {list(layout.ngroups)}"
+        )
     rows = layout.rot.shape[0]
     m = _global(bads, layout.first, rows * nb).reshape(rows, nb)
     gpr = nb // g  # parity groups per row (nbanks is a multiple of the group)
