@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from . import goals
 from ._harness import RESULTS, ROOT
 
 HEADER = """# Benchmarks
@@ -168,9 +169,9 @@ def _cell(v) -> str:
 
 
 def render() -> None:
-    parts = [HEADER]
-    for path in sorted(RESULTS.glob("*.json")):
-        data = json.loads(path.read_text())
+    loaded = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*.json"))]
+    parts = [HEADER, goals.table([dict(data, file=path.name) for path, data in loaded])]
+    for path, data in loaded:
         cols: list[str] = []
         for r in data["rows"]:
             cols += [c for c in r if c not in cols]

@@ -45,6 +45,48 @@ def test_launch_suite_counts_its_kernels_and_splits_their_cost():
             assert 0 < r["kernel_us"] <= r["wall_us"] and r["gap_us"] >= 0
 
 
+def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
+    from benchmarks import goals
+
+    def res(suite, device, date, rows, name):
+        return dict(suite=suite, device=device, date=date, rows=rows, file=name)
+
+    gemm = dict(op="fwd 4096->1024", m=8192, block_n=128, plain_ms=0.1, protected_ms=0.1, ratio=1.0)
+    results = [
+        res("matmul", "gpu:NVIDIA H200", "2026-12-01T00:00", [dict(gemm, ratio=0.5)], "old.json"),
+        res("matmul", "gpu:NVIDIA H200", "2026-12-02T00:00", [gemm, dict(gemm, block_n="row")], "new.json"),
+        res("matmul", "cpu:cpu", "2026-12-02T00:00", [
+            dict(op="fwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.2, ratio=1 / 1.2),
+            dict(op="fwd+bwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.4, ratio=1 / 1.4),
+        ], "cpu.json"),
+        res("memory", "gpu:NVIDIA H200", "2026-12-02T00:00", [
+            dict(op="scrub (verify every stripe + parity)", gbytes=2.0, gbs=4000.0, vs_datasheet=4000 / 4800,
+                 dev_gbs=4400.0, dev_vs_datasheet=4400 / 4800),
+            dict(op="scrub's check, one op per leaf", gbytes=2.0, gbs=1.0, vs_datasheet=0.1),
+        ], "mem.json"),
+        res("llama3-1dev", "gpu:NVIDIA H200", "2026-12-02T00:00", [
+            dict(protect=False, attention="cuDNN", step_ms=100.0, on_over_cudnn=1.0, mfu=0.5),
+            dict(protect=True, recompute="none (skip)", fused=False, step_ms=104.0, on_over_cudnn=0.96,
+                 mfu=0.49),
+        ], "step.json"),
+    ]  # fmt: skip
+    rows = goals.rows(results)
+    by = {(r["goal"], r["case"]): r for r in rows}
+    assert [r["file"] for r in rows if r["goal"] == 1] == ["new.json"]  # the newest, 128-column rows only
+    assert by[(1, "fwd 4096->1024")]["met"]  # ratio 1.0 meets ">= 1.00"
+    assert by[(3, "scrub (verify every stripe + parity), 2 GB, kernels' time")]["met"]  # 0.917
+    assert not by[(3, "scrub (verify every stripe + parity), 2 GB, timed loop")]["met"]  # 0.833
+    assert not any("one op per leaf" in r["case"] for r in rows)
+    step = by[(4, "recompute: none (skip)")]
+    assert not step["met"] and step["peer"] == "cuDNN step 100 ms"  # 0.96 but MFU 0.49 < 0.50
+    cpu = [r for r in rows if r["goal"] == 5]
+    assert len(cpu) == 1 and not cpu[0]["met"] and "fwd+bwd 256->1024" in cpu[0]["case"]  # 1.4x > 1.3x
+    assert not any(r["goal"] == 2 for r in rows)  # no file measures it: no row
+    text = goals.table(results)
+    assert text.count("\n| ") == len(rows) + 1 and "`new.json`" in text
+    assert goals.table([]) == ""
+
+
 def test_routing_suite_quick_checks_every_kernel_and_reports_the_overhead():
     from benchmarks import routing
 

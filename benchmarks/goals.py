@@ -1,0 +1,174 @@
+"""The performance goals' standing, read from the newest results file that measures each.
+
+One row per goal and case: the peer measured in the same run, our figure, the ratio the goal is
+stated in, the target, whether the figure meets it, and the file it came from. Goals (on one H200,
+ratios side by side in one run; the CPU goal on the CI machine):
+
+1. protected GEMM, forward and forward+backward at the four Llama-3-8B shapes (M = 8192, bf16,
+   128-column blocks, the default policy): plain / protected >= 1.00;
+2. protected causal GQA attention (the layer's protected core on the verified flash kernels) against
+   cuDNN's flash attention, forward and forward+backward: >= 0.93;
+3. the parameter scrub's bandwidth against the datasheet's 4.8 TB/s: >= 0.90 (by its kernels' time
+   where the file has it, and by the timed loop);
+4. the 4-layer Llama-3-8B-dimension training step, protected against unprotected with cuDNN's
+   attention: >= 0.95 in tokens/s and MFU >= 0.50;
+5. CPU: protected Dense <= 1.3x plain at small sizes, i.e. plain / protected >= 1 / 1.3 (the worst
+   of the file's rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["rows", "table"]
+
+COLUMNS = ("goal", "case", "peer", "ours", "ratio", "target", "met", "file")
+
+
+def _latest(results: list[dict], suite: str, gpu: bool, want) -> dict | None:
+    """The newest file (by its timestamp) of ``suite`` on a GPU (or the CPU) with a row ``want`` takes."""
+    found = [
+        r
+        for r in results
+        if r["suite"] == suite
+        and r["device"].startswith("gpu" if gpu else "cpu")
+        and any(want(row) for row in r["rows"])
+    ]
+    return max(found, key=lambda r: r["date"]) if found else None
+
+
+def _row(goal, case, peer, ours, ratio, target, met, res) -> dict:
+    return dict(
+        goal=goal, case=case, peer=peer, ours=ours, ratio=ratio, target=target, met=met, file=res["file"]
+    )
+
+
+def _num(v) -> bool:
+    return isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """``results``: every results file as loaded, each with its ``file`` name added."""
+    out: list[dict] = []
+
+    gemm = lambda r: r.get("m") == 8192 and r.get("block_n") == 128 and _num(r.get("ratio"))
+    res = _latest(results, "matmul", True, gemm)
+    if res:
+        for r in filter(gemm, res["rows"]):
+            out.append(
+                _row(
+                    1,
+                    r["op"],
+                    f"XLA GEMM {r['plain_ms']:.3g} ms",
+                    f"{r['protected_ms']:.3g} ms",
+                    r["ratio"],
+                    ">= 1.00",
+                    r["ratio"] >= 1.0,
+                    res,
+                )
+            )
+
+    core = "pimlayers attention_core, protected (flash)"
+    res = _latest(results, "peers", True, lambda r: r.get("op") == core and _num(r.get("vs_cudnn")))
+    if res:
+        cudnn = {r["mode"]: r for r in res["rows"] if r.get("op") == "cuDNN flash attention"}
+        for r in res["rows"]:
+            if r.get("op") == core and _num(r.get("vs_cudnn")) and r["mode"] in cudnn:
+                out.append(
+                    _row(
+                        2,
+                        f"{r['mode']}, {r['shape']}",
+                        f"cuDNN {cudnn[r['mode']]['ms']:.3g} ms",
+                        f"{r['ms']:.3g} ms",
+                        r["vs_cudnn"],
+                        ">= 0.93",
+                        r["vs_cudnn"] >= 0.93,
+                        res,
+                    )
+                )
+
+    scrub = lambda r: str(r.get("op", "")).startswith("scrub") and _num(r.get("vs_datasheet"))
+    res = _latest(results, "memory", True, scrub)
+    if res:
+        for r in filter(scrub, res["rows"]):
+            if "one op per leaf" in r["op"]:
+                continue
+            what = f"{r['op']}, {r['gbytes']:.3g} GB"
+            for key, how, gbs in (
+                ("dev_vs_datasheet", "kernels' time", "dev_gbs"),
+                ("vs_datasheet", "timed loop", "gbs"),
+            ):
+                if _num(r.get(key)):
+                    out.append(
+                        _row(
+                            3,
+                            f"{what}, {how}",
+                            "4.8 TB/s (datasheet)",
+                            f"{r[gbs]:.0f} GB/s",
+                            r[key],
+                            ">= 0.90",
+                            r[key] >= 0.90,
+                            res,
+                        )
+                    )
+
+    step = lambda r: r.get("protect") is True and _num(r.get("on_over_cudnn"))
+    res = _latest(results, "llama3-1dev", True, step)
+    if res:
+        peer = next((r for r in res["rows"] if r.get("attention") == "cuDNN"), None)
+        for r in filter(step, res["rows"]):
+            case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
+            met = r["on_over_cudnn"] >= 0.95 and r["mfu"] >= 0.50
+            out.append(
+                _row(
+                    4,
+                    case,
+                    f"cuDNN step {peer['step_ms']:.4g} ms" if peer else "",
+                    f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}",
+                    r["on_over_cudnn"],
+                    ">= 0.95, MFU >= 0.50",
+                    met,
+                    res,
+                )
+            )
+
+    dense = lambda r: _num(r.get("ratio")) and str(r.get("op", "")).startswith("fwd")
+    res = _latest(results, "matmul", False, dense)
+    if res:
+        worst = min(filter(dense, res["rows"]), key=lambda r: r["ratio"])
+        n = sum(1 for _ in filter(dense, res["rows"]))
+        case = f"worst of {n} rows: {worst['op']}, block_n {worst['block_n']}, M = {worst['m']}"
+        out.append(
+            _row(
+                5,
+                case,
+                f"plain {worst['plain_ms']:.3g} ms",
+                f"{worst['protected_ms']:.3g} ms",
+                worst["ratio"],
+                ">= 0.77 (1 / 1.3)",
+                worst["ratio"] >= 1 / 1.3,
+                res,
+            )
+        )
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """The goals' rows as a markdown section (empty where no file measures any goal)."""
+    rs = rows(results)
+    if not rs:
+        return ""
+    lines = [
+        "\n## Performance goals: where they stand\n\n",
+        "Read by `benchmarks/goals.py` from the newest results file that measures each goal (the "
+        "module's docstring states them); `ratio` is in the goal's own terms (higher is better).\n\n",
+        f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}\n",
+    ]
+    for r in rs:
+        cells = [
+            f"{r[c]:.3f}" if c == "ratio" else ("yes" if r[c] else "no") if c == "met" else str(r[c])
+            for c in COLUMNS
+        ]
+        cells[-1] = f"`{cells[-1]}`"
+        lines.append(f"| {' | '.join(cells)} |\n")
+    return "".join(lines)
