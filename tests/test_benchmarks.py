@@ -27,6 +27,12 @@ def test_memory_suite_quick_runs_and_repairs():
     bank = rows["repair one failed bank"]
     assert bank["stripes_rebuilt"] > 0 and bank["in_place"]
     assert rows["scrub (verify every stripe + parity)"]["gbs"] > 0
+    # The f32 store scrubs twice the weights' bytes (plus parity); the kernels-only columns are there
+    # (NaN without a device timeline).
+    f32 = rows["scrub, float32 parameters"]
+    assert f32["gbs"] > 0 and f32["gbytes"] > 1.9 * rows["scrub (verify every stripe + parity)"]["gbytes"]
+    for op in ("scrub, float32 parameters", "one read of the parameters (XLA sum)"):
+        assert "dev_ms" in rows[op]
     assert any(op.startswith("gemv") for op in rows)
 
 
