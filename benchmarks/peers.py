@@ -10,7 +10,8 @@ replace. This suite times, side by side on one GPU (Hopper only; nothing to run 
   Pallas's Mosaic-GPU flash attention (``attention_mgpu``), XLA's materialised attention, and
   pimlayers' own: ``ops.flash_attention`` with its in-kernel checks (and without, the same kernel's
   cost without them), and the protected attention core (``layers.attention_core``: the verified
-  kernel forward, or the verified materialised path with ``flash=False``) — goal 2 of the
+  kernel forward, with the default recompute loop and, as the training step runs it, with
+  ``FaultPolicy(recompute=False)``; or the verified materialised path with ``flash=False``) — goal 2 of the
   performance issue, protected attention at >= 0.93x cuDNN — and the backward kernels alone
   (``ops.flash_attention_bwd``, with and without their checks).
 
@@ -117,6 +118,11 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
         "pimlayers flash_attention, verified": lambda q, k, v: ops.flash_attention(q, k, v),
         "pimlayers attention_core, protected (flash)": lambda q, k, v: layers.attention_core(
             q, k, v, policy=FaultPolicy()
+        )[0],
+        # The training step's policy: no recompute loop (nothing waits for a predicate on the host;
+        # what a check cannot correct skips the step).
+        "pimlayers attention_core, protected (flash, no recompute)": lambda q, k, v: layers.attention_core(
+            q, k, v, policy=FaultPolicy(recompute=False)
         )[0],
         "pimlayers attention_core, protected (materialised)": lambda q, k, v: layers.attention_core(
             q, k, v, policy=FaultPolicy(), flash=False

@@ -57,6 +57,7 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     def res(suite, device, date, rows, name):
         return dict(suite=suite, device=device, date=date, rows=rows, file=name)
 
+    core = "pimlayers attention_core, protected"
     gemm = dict(op="fwd 4096->1024", m=8192, block_n=128, plain_ms=0.1, protected_ms=0.1, ratio=1.0)
     results = [
         res("matmul", "gpu:NVIDIA H200", "2026-12-01T00:00", [dict(gemm, ratio=0.5)], "old.json"),
@@ -70,6 +71,11 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
                  dev_gbs=4400.0, dev_vs_datasheet=4400 / 4800),
             dict(op="scrub's check, one op per leaf", gbytes=2.0, gbs=1.0, vs_datasheet=0.1),
         ], "mem.json"),
+        res("peers", "gpu:NVIDIA H200", "2026-12-02T00:00", [
+            dict(mode="fwd", op="cuDNN flash attention", shape="S", ms=1.0, vs_cudnn=1.0),
+            dict(mode="fwd", op=f"{core} (flash)", shape="S", ms=1.25, vs_cudnn=0.8),
+            dict(mode="fwd", op=f"{core} (flash, no recompute)", shape="S", ms=1.05, vs_cudnn=1 / 1.05),
+        ], "peers.json"),
         res("llama3-1dev", "gpu:NVIDIA H200", "2026-12-02T00:00", [
             dict(protect=False, attention="cuDNN", step_ms=100.0, on_over_cudnn=1.0, mfu=0.5),
             dict(protect=True, recompute="none (skip)", fused=False, step_ms=104.0, on_over_cudnn=0.96,
@@ -87,7 +93,8 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     assert not step["met"] and step["peer"] == "cuDNN step 100 ms"  # 0.96 but MFU 0.49 < 0.50
     cpu = [r for r in rows if r["goal"] == 5]
     assert len(cpu) == 1 and not cpu[0]["met"] and "fwd+bwd 256->1024" in cpu[0]["case"]  # 1.4x > 1.3x
-    assert not any(r["goal"] == 2 for r in rows)  # no file measures it: no row
+    assert not by[(2, "fwd, S")]["met"] and by[(2, "fwd, S, no recompute")]["met"]  # 0.80; 0.952
+    assert [r["peer"] for r in rows if r["goal"] == 2] == ["cuDNN 1 ms"] * 2
     text = goals.table(results)
     assert text.count("\n| ") == len(rows) + 1 and "`new.json`" in text
     assert goals.table([]) == ""
