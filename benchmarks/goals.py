@@ -38,12 +38,6 @@ def _latest(results: list[dict], suite: str, gpu: bool, want) -> dict | None:
     return max(found, key=lambda r: r["date"]) if found else None
 
 
-def _row(goal, case, peer, ours, ratio, target, met, res) -> dict:
-    return dict(
-        goal=goal, case=case, peer=peer, ours=ours, ratio=ratio, target=target, met=met, file=res["file"]
-    )
-
-
 def _num(v) -> bool:
     return isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
 
@@ -52,109 +46,70 @@ def rows(results: list[dict]) -> list[dict]:
     """``results``: every results file as loaded, each with its ``file`` name added."""
     out: list[dict] = []
 
+    def add(goal, res, case, peer, ours, ratio, least: float, target: str = "", also: bool = True):
+        target = target or f">= {least:.2f}"
+        met = ratio >= least and also
+        out.append(dict(goal=goal, case=case, peer=peer, ours=ours, ratio=ratio, target=target, met=met,
+                        file=res["file"]))  # fmt: skip
+
     gemm = lambda r: r.get("m") == 8192 and r.get("block_n") == 128 and _num(r.get("ratio"))
     res = _latest(results, "matmul", True, gemm)
-    if res:
-        for r in filter(gemm, res["rows"]):
-            out.append(
-                _row(
-                    1,
-                    r["op"],
-                    f"XLA GEMM {r['plain_ms']:.3g} ms",
-                    f"{r['protected_ms']:.3g} ms",
-                    r["ratio"],
-                    ">= 1.00",
-                    r["ratio"] >= 1.0,
-                    res,
-                )
+    for r in filter(gemm, res["rows"] if res else []):
+        add(
+            1,
+            res,
+            r["op"],
+            f"XLA GEMM {r['plain_ms']:.3g} ms",
+            f"{r['protected_ms']:.3g} ms",
+            r["ratio"],
+            1.0,
+        )
+
+    core = "pimlayers attention_core, protected (flash"
+    attn = lambda r: str(r.get("op", "")).startswith(core) and _num(r.get("vs_cudnn"))
+    res = _latest(results, "peers", True, attn)
+    cudnn = {r["mode"]: r for r in res["rows"] if r.get("op") == "cuDNN flash attention"} if res else {}
+    for r in filter(attn, res["rows"] if res else []):
+        if r["mode"] in cudnn:
+            case = f"{r['mode']}, {r['shape']}" + (", no recompute" if "no recompute" in r["op"] else "")
+            add(
+                2,
+                res,
+                case,
+                f"cuDNN {cudnn[r['mode']]['ms']:.3g} ms",
+                f"{r['ms']:.3g} ms",
+                r["vs_cudnn"],
+                0.93,
             )
 
-    cores = (
-        "pimlayers attention_core, protected (flash)",
-        "pimlayers attention_core, protected (flash, no recompute)",
-    )
-    res = _latest(results, "peers", True, lambda r: r.get("op") in cores and _num(r.get("vs_cudnn")))
-    if res:
-        cudnn = {r["mode"]: r for r in res["rows"] if r.get("op") == "cuDNN flash attention"}
-        for r in res["rows"]:
-            if r.get("op") in cores and _num(r.get("vs_cudnn")) and r["mode"] in cudnn:
-                out.append(
-                    _row(
-                        2,
-                        f"{r['mode']}, {r['shape']}"
-                        + (", no recompute" if "no recompute" in r["op"] else ""),
-                        f"cuDNN {cudnn[r['mode']]['ms']:.3g} ms",
-                        f"{r['ms']:.3g} ms",
-                        r["vs_cudnn"],
-                        ">= 0.93",
-                        r["vs_cudnn"] >= 0.93,
-                        res,
-                    )
-                )
-
-    scrub = lambda r: str(r.get("op", "")).startswith("scrub") and _num(r.get("vs_datasheet"))
-    res = _latest(results, "memory", True, scrub)
-    if res:
-        for r in filter(scrub, res["rows"]):
-            if "one op per leaf" in r["op"]:
-                continue
-            what = f"{r['op']}, {r['gbytes']:.3g} GB"
-            for key, how, gbs in (
-                ("dev_vs_datasheet", "kernels' time", "dev_gbs"),
-                ("vs_datasheet", "timed loop", "gbs"),
-            ):
-                if _num(r.get(key)):
-                    out.append(
-                        _row(
-                            3,
-                            f"{what}, {how}",
-                            "4.8 TB/s (datasheet)",
-                            f"{r[gbs]:.0f} GB/s",
-                            r[key],
-                            ">= 0.90",
-                            r[key] >= 0.90,
-                            res,
-                        )
-                    )
+    scrub = lambda r: str(r.get("op", "")).startswith("scrub (") or r.get("op") == "scrub, float32 parameters"
+    res = _latest(results, "memory", True, lambda r: scrub(r) and _num(r.get("vs_datasheet")))
+    for r in filter(scrub, res["rows"] if res else []):
+        for key, how, gbs in (
+            ("dev_vs_datasheet", "kernels' time", "dev_gbs"),
+            ("vs_datasheet", "timed loop", "gbs"),
+        ):
+            if _num(r.get(key)):
+                case = f"{r['op']}, {r['gbytes']:.3g} GB, {how}"
+                add(3, res, case, "4.8 TB/s (datasheet)", f"{r[gbs]:.0f} GB/s", r[key], 0.90)
 
     step = lambda r: r.get("protect") is True and _num(r.get("on_over_cudnn"))
     res = _latest(results, "llama3-1dev", True, step)
-    if res:
-        peer = next((r for r in res["rows"] if r.get("attention") == "cuDNN"), None)
-        for r in filter(step, res["rows"]):
-            case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
-            met = r["on_over_cudnn"] >= 0.95 and r["mfu"] >= 0.50
-            out.append(
-                _row(
-                    4,
-                    case,
-                    f"cuDNN step {peer['step_ms']:.4g} ms" if peer else "",
-                    f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}",
-                    r["on_over_cudnn"],
-                    ">= 0.95, MFU >= 0.50",
-                    met,
-                    res,
-                )
-            )
+    peer = next((r for r in res["rows"] if r.get("attention") == "cuDNN"), None) if res else None
+    for r in filter(step, res["rows"] if res else []):
+        case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
+        add(4, res, case, f"cuDNN step {peer['step_ms']:.4g} ms" if peer else "",
+            f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}", r["on_over_cudnn"], 0.95, ">= 0.95, MFU >= 0.50",
+            also=r["mfu"] >= 0.50)  # fmt: skip
 
     dense = lambda r: _num(r.get("ratio")) and str(r.get("op", "")).startswith("fwd")
     res = _latest(results, "matmul", False, dense)
     if res:
-        worst = min(filter(dense, res["rows"]), key=lambda r: r["ratio"])
-        n = sum(1 for _ in filter(dense, res["rows"]))
-        case = f"worst of {n} rows: {worst['op']}, block_n {worst['block_n']}, M = {worst['m']}"
-        out.append(
-            _row(
-                5,
-                case,
-                f"plain {worst['plain_ms']:.3g} ms",
-                f"{worst['protected_ms']:.3g} ms",
-                worst["ratio"],
-                ">= 0.77 (1 / 1.3)",
-                worst["ratio"] >= 1 / 1.3,
-                res,
-            )
-        )
+        found = list(filter(dense, res["rows"]))
+        w = min(found, key=lambda r: r["ratio"])
+        case = f"worst of {len(found)} rows: {w['op']}, block_n {w['block_n']}, M = {w['m']}"
+        add(5, res, case, f"plain {w['plain_ms']:.3g} ms", f"{w['protected_ms']:.3g} ms", w["ratio"], 1 / 1.3,
+            ">= 0.77 (1 / 1.3)")  # fmt: skip
     return out
 
 

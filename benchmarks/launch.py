@@ -9,9 +9,13 @@ with one of the project's native custom calls (``ops.gate``, one CUDA kernel) af
 of them: XLA records runs of its own kernels into CUDA graphs, and a custom call it cannot record
 ends a graph.
 
-Per kernel: ``wall_us`` (the program's wall time over its kernels: launch gaps and the host's
-enqueueing included) and ``kernel_us`` (their own device time, a profiler trace; NaN on a CPU), so
-``gap_us`` = wall - kernel is what a kernel costs beyond its work.
+``kernels`` are counted in a profiler trace of one call where there is a device timeline (on a CPU,
+by construction: one per update and per native call); a native gate call is one kernel after a
+memset of its count, and memsets are not counted as kernels (their time falls in the gaps). Per
+kernel: ``wall_us`` (the program's wall time over its kernels: launch gaps and the host's
+enqueueing included) and ``kernel_us`` (their own device time; NaN on a CPU), so ``gap_us`` = wall -
+kernel is what a kernel costs beyond its work. ``per_call_us`` is the wall time per update (and
+native call, where there is one): the chains' difference is what a native call adds.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from jax import lax
 from pimlayers import ops
 
 from ._harness import time_fn
-from .profile import kernel_us
+from .profile import kernel_events
 
 
 def _chain(n: int, every: int):
@@ -49,15 +53,16 @@ def run(n: int = 1000, size: int = 1024) -> list[dict]:
         got = f(x)
         if n >= 200 and not bool(jnp.all(got == want)):
             raise AssertionError(f"launch chain ({what}) computed {got[:4]}, expected 2.0")
-        kernels = n + (n // every if every else 0)
+        us, launched = kernel_events(f, x)
+        kernels = sum(launched.values()) or n + (n // every if every else 0)
         wall = time_fn(f, x, iters=5)
-        dev = sum(kernel_us(f, x).values()) / 1e6
-        dev = dev if dev else float("nan")
+        dev = sum(us.values()) / 1e6 or float("nan")
         rows.append(
             dict(
                 chain=what,
                 kernels=kernels,
                 wall_ms=wall * 1e3,
+                per_call_us=wall / n * 1e6,
                 wall_us=wall / kernels * 1e6,
                 kernel_us=dev / kernels * 1e6,
                 gap_us=(wall - dev) / kernels * 1e6,

@@ -23,7 +23,7 @@ from pimlayers import faults, ops
 from pimlayers.memory import BankGeometry, PimStore, PimTiming
 
 from ._harness import carried_time, device_time, fold_firsts, time_fn
-from .profile import kernel_us
+from .profile import kernel_seconds
 
 DATASHEET_TBS = 4.8  # NVIDIA H200: 4.8 TB/s HBM3e
 DIM, FFN, KV = 4096, 14336, 1024
@@ -62,14 +62,6 @@ def _once(fn, prepare, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def _kernels_s(fn, *args) -> float:
-    """Seconds of device kernels in one call of ``fn(*args)`` (a profiler trace; NaN on a CPU): the
-    device's own time, without the jitted loop's per-trip wait on its predicate, which on a GPU the
-    loop timings (`ms`) include."""
-    us = sum(kernel_us(fn, *args).values())
-    return us / 1e6 if us else float("nan")
-
-
 def _dev(nbytes: int, seconds: float, read_s: float | None = None) -> dict:
     """Columns from a kernels-only time: ms, GB/s, against the datasheet (and an XLA read of as
     many bytes, where given)."""
@@ -99,7 +91,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
     t_read = device_time(read, flat, fold=lambda s: s)
     read_gbs = nbytes / t_read / 1e9
     rows.append(dict(op="device copy (XLA, read+write)", gbytes=gb, ms=t_copy * 1e3, gbs=copy_gbs))
-    d_read = _kernels_s(jax.jit(read), flat)
+    d_read = kernel_seconds(jax.jit(read), flat)
     rows.append(
         dict(
             op="one read of the parameters (XLA sum)",
@@ -125,7 +117,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_one_read=t_enc / t_read,
             parity_fraction=over["parity_fraction"],
             call_ms=time_fn(store._encode, params, iters=10) * 1e3,
-            **_dev(encoded, _kernels_s(store._encode, params)),
+            **_dev(encoded, kernel_seconds(store._encode, params)),
         )
     )
 
@@ -158,7 +150,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_read=sc_gbs / read_gbs,
             vs_datasheet=sc_gbs / (DATASHEET_TBS * 1e3),
             call_ms=time_fn(store._scrub, params, state, iters=10) * 1e3,
-            **_dev(scrubbed, _kernels_s(store._scrub, params, state), d_read * scrubbed / nbytes),
+            **_dev(scrubbed, kernel_seconds(store._scrub, params, state), d_read * scrubbed / nbytes),
         )
     )
     # The same store over float32 parameters: what a training step's scrub reads (its master
@@ -175,7 +167,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             ms=t32 * 1e3,
             gbs=scrubbed32 / t32 / 1e9,
             vs_datasheet=scrubbed32 / t32 / 1e9 / (DATASHEET_TBS * 1e3),
-            **_dev(scrubbed32, _kernels_s(store32._scrub, p32, state32)),
+            **_dev(scrubbed32, kernel_seconds(store32._scrub, p32, state32)),
         )
     )
     del p32, store32, state32

@@ -117,22 +117,39 @@ def _sums(
     return ("device" if device else "host"), by_name, by_scope, n, count
 
 
-def kernel_us(fn: typing.Callable[..., typing.Any], *args, warmup: int = 2) -> collections.Counter:
-    """µs by kernel name of the device kernels one call of ``fn(*args)`` launched (each name summed
-    over its launches), from a JAX profiler trace: device time alone, free of the host's dispatch and
-    of a loop's own overhead (on an H200 a jitted loop's wall clock per trip exceeded the finish
-    kernel's own time at 67 MB by ~25 µs). Copies and memsets are left out. ``fn`` must accept being
-    called ``warmup + 1`` times with ``args`` (no donation of them). Empty without a device timeline
-    (a CPU)."""
+def kernel_events(
+    fn: typing.Callable[..., typing.Any], *args, warmup: int = 2
+) -> tuple[collections.Counter, collections.Counter]:
+    """µs and launches by kernel name of the device kernels one call of ``fn(*args)`` launched (each
+    name summed over its launches), from a JAX profiler trace: device time alone, free of the host's
+    dispatch and of a loop's own overhead (on an H200 a jitted loop's wall clock per trip exceeded
+    the finish kernel's own time at 67 MB by ~25 µs). Copies and memsets are left out. ``fn`` must
+    accept being called ``warmup + 1`` times with ``args`` (no donation of them). Both empty without
+    a device timeline (a CPU)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready(fn(*args))
-        timeline, by_name, *_ = _sums(pathlib.Path(d))
+        timeline, by_name, _, _, count = _sums(pathlib.Path(d))
     if timeline != "device":
-        return collections.Counter()
-    return collections.Counter({k: v for k, v in by_name.items() if not k.startswith(("Memcpy", "Memset"))})
+        return collections.Counter(), collections.Counter()
+    keep = lambda c: collections.Counter(
+        {k: v for k, v in c.items() if not k.startswith(("Memcpy", "Memset"))}
+    )
+    return keep(by_name), keep(count)
+
+
+def kernel_us(fn: typing.Callable[..., typing.Any], *args, warmup: int = 2) -> collections.Counter:
+    """µs by kernel name of one call of ``fn(*args)`` (:func:`kernel_events`)."""
+    return kernel_events(fn, *args, warmup=warmup)[0]
+
+
+def kernel_seconds(fn: typing.Callable[..., typing.Any], *args) -> float:
+    """Seconds of device kernels in one call of ``fn(*args)`` (:func:`kernel_events`); NaN without a
+    device timeline."""
+    us = sum(kernel_us(fn, *args).values())
+    return us / 1e6 if us else float("nan")
 
 
 # A device gap this long is a host phase (the profiler starting, an evaluation, the host's own work

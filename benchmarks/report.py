@@ -147,9 +147,11 @@ that read's: how many times over the bounds read their inputs; `largest` names t
 Reading the launch table: `python -m benchmarks.run --suite launch` runs chains of 1000 dependent
 elementwise kernels on 1024 floats in one jitted program (an optimization barrier between them, so
 XLA cannot fuse them), alone and with the project's native gate after every 10th or after each
-(XLA records runs of its own kernels into CUDA graphs; a custom call it cannot record ends one). Per
-kernel: `wall_us` (the program's wall time over its kernels), `kernel_us` (their own device time, a
-profiler trace) and `gap_us`, the difference: what a kernel costs beyond its work.
+(XLA records runs of its own kernels into CUDA graphs; a custom call it cannot record ends one).
+`kernels` are counted in a profiler trace (the first file, 2026-12-04, counted one per update and per
+gate call, leaving out each gate call's memset). Per kernel: `wall_us` (the program's wall time over
+its kernels), `kernel_us` (their own device time) and `gap_us`, the difference: what a kernel costs
+beyond its work; `per_call_us` (newer files) is the wall time per update.
 
 Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
 (no recompute) in alternating processes without and with an environment setting that the native
