@@ -35,6 +35,7 @@ and Python frames left out): good enough to see the ops, not a GPU measurement.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import functools
 import gzip
@@ -48,6 +49,7 @@ import tempfile
 import typing
 
 import jax
+import numpy as np
 
 try:  # private: a jax without it leaves the check to the dump's absence after the runs
     from jax._src.xla_bridge import backends_are_initialized
@@ -208,6 +210,93 @@ def _idle(trace_dir: pathlib.Path) -> Idle:
     return Idle(*waits, *phases)
 
 
+class StepIdle(typing.NamedTuple):
+    """The device's idle time inside executions of one program (``_step_idle``): per execution,
+    medians of its device span (first kernel's start to last kernel's end), of the union of its
+    kernels' intervals and of the difference, the idle time; ``gaps``/``count``: µs and number per
+    execution by (event before, event after), means over the executions."""
+
+    runs: int
+    span_us: float
+    busy_us: float
+    idle_us: float
+    gaps: collections.Counter
+    count: collections.Counter
+
+
+def _step_idle(
+    trace_dir: pathlib.Path, module: str = "jit_step_fn", skip_first: bool = True
+) -> StepIdle | None:
+    """Idle time inside the executions of ``module`` on a GPU trace, each measured on its own.
+
+    Unlike ``_idle`` (the whole timeline, differenced between two traced runs) this needs no second
+    run and no host phase can enter it: a device event belongs to an execution when the host call
+    that launched it (the same ``correlation_id``, a kernel or graph launch) lies inside that
+    execution's ``GpuExecutable::ExecuteThunks`` span; the execution's idle time is its device span
+    less the union of its events. What the device waits for inside a program is what this counts:
+    the host's launches falling behind, a branch's predicate read on the host. ``skip_first``
+    leaves out the first execution (autotuning, first-touch). None without a device timeline or
+    without an execution of ``module``."""
+    events, procs = _events(trace_dir)
+    device = _device_pids(procs)
+    if not device:
+        return None
+    runs = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X"
+        and e["pid"] not in device
+        and e["name"].endswith("GpuExecutable::ExecuteThunks")
+        and e.get("args", {}).get("module_name") == module
+    )
+    if not runs:
+        return None
+    starts = [r[0] for r in runs]
+    owner: dict[str, int] = {}  # correlation id -> execution
+    for e in events:
+        cid = e.get("args", {}).get("correlation_id")
+        if e.get("ph") == "X" and e["pid"] not in device and cid is not None:
+            t = float(e["ts"])
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= runs[i][1]:
+                owner[str(cid)] = i
+    per_run: dict[int, list] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in device:
+            i = owner.get(str(e.get("args", {}).get("correlation_id")))
+            if i is not None:
+                t0 = float(e["ts"])
+                per_run[i].append((t0, t0 + float(e.get("dur", 0.0)), e["name"]))
+    keep = sorted(per_run)[1:] if skip_first and len(per_run) > 1 else sorted(per_run)
+    spans, busy, idle = [], [], []
+    gaps, count = collections.Counter(), collections.Counter()
+    for i in keep:
+        iv = sorted(per_run[i])
+        first, (_, end, last) = iv[0][0], iv[0]
+        covered = end - first
+        for t0, t1, name in iv[1:]:
+            if t0 > end:
+                gaps[last, name] += t0 - end
+                count[last, name] += 1
+            if t1 > end:
+                covered += t1 - max(t0, end)
+                end, last = t1, name
+        spans.append(end - first)
+        busy.append(covered)
+        idle.append(end - first - covered)
+    if not keep:
+        return None
+    n = len(keep)
+    return StepIdle(
+        n,
+        float(np.median(spans)),
+        float(np.median(busy)),
+        float(np.median(idle)),
+        collections.Counter({k: v / n for k, v in gaps.items()}),
+        collections.Counter({k: v / n for k, v in count.items()}),
+    )
+
+
 def _host(trace_dir: pathlib.Path) -> tuple[collections.Counter, collections.Counter]:
     """(µs, count) by name of the host's events on a trace with a device timeline: the runtime's
     spans and the CUDA API calls the profiler records (launches, graph launches and updates,
@@ -365,6 +454,19 @@ def summarize(
         # Negative: the runs' one-off gaps (compiles between kernels, the profiler's start) differed by
         # more than the added steps' idle time; the difference then measures nothing.
         out["idle_measured"] = idle.us >= 0 and idle.phase_us >= 0
+        inside = _step_idle(trace_dir)
+        if inside is not None:
+            out["step_idle"] = dict(
+                runs=inside.runs,
+                span_ms=inside.span_us / 1e3,
+                busy_ms=inside.busy_us / 1e3,
+                idle_ms=inside.idle_us / 1e3,
+                gap_count=sum(inside.count.values()),
+                gaps=[
+                    dict(before=k[0], after=k[1], ms=v / 1e3, count=inside.count[k])
+                    for k, v in inside.gaps.most_common(top)
+                ],
+            )
     return out
 
 
@@ -374,6 +476,13 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
     total of all device kernels per step."""
     total = {"ms_per_step": summary["total_ms"], "share": 1.0}
     kernels = [{"kernel": "(all device kernels)", **total, "count_per_step": summary["events"]}]
+    if "step_idle" in summary:  # inside the step's program, measured per execution (_step_idle)
+        si = summary["step_idle"]
+        name = f"(device idle inside the step program: median of {si['runs']} executions)"
+        share = si["idle_ms"] / si["span_ms"]
+        kernels.append(
+            dict(kernel=name, ms_per_step=si["idle_ms"], share=share, count_per_step=si["gap_count"])
+        )
     for r in summary["kernels"]:
         row = {"kernel": r["name"][:90], "ms_per_step": r["ms"], "share": r["share"]}
         if "sources" in summary:
@@ -559,6 +668,15 @@ def main() -> None:
         print(f"\nhost phases ({phase}): {s['phase_ms']:.1f} ms per step")
         for r in s["phases"][:5]:
             print(f"  {r['ms']:10.2f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
+    if "step_idle" in s:
+        si = s["step_idle"]
+        print(
+            f"\ndevice idle inside the step program (median of {si['runs']} executions): "
+            f"{si['idle_ms']:.2f} ms of a {si['span_ms']:.2f} ms span ({si['busy_ms']:.2f} ms with a kernel "
+            "running); largest gaps (ms, count per execution):"
+        )
+        for r in si["gaps"]:
+            print(f"  {r['ms']:10.3f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
     if "host" in s:
         print("\nhost events (ms per step, inclusive of what they enclose; count per step):")
         for r in s["host"]:

@@ -5,6 +5,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -49,6 +50,18 @@ def test_launch_suite_counts_its_kernels_and_splits_their_cost():
             assert math.isnan(r["kernel_us"]) and math.isnan(r["gap_us"])
         else:
             assert 0 < r["kernel_us"] <= r["wall_us"] and r["gap_us"] >= 0
+
+
+def test_launch_suite_mosaic_chain_lowers_to_mosaic_custom_calls():
+    # The Hopper-only chains cannot run here; lowering for CUDA needs no GPU and checks the kernel's
+    # Pallas code (its tile shape, the Mosaic-GPU backend) and that each update calls it: one traced
+    # kernel (a jitted function) called from every update.
+    from benchmarks import launch
+
+    f = launch._chain(3, 1, launch._mosaic)
+    x = jnp.arange(1024, dtype=jnp.float32)
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@mosaic_gpu") == 1 and text.count("call @_mosaic") == 3
 
 
 def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
@@ -360,6 +373,7 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
         ),
     )
     monkeypatch.setattr(profile, "_host", lambda d: (collections.Counter(host[d]), counts(host[d])))
+    monkeypatch.setattr(profile, "_step_idle", lambda d: None)  # needs correlation ids: its own test
     s = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
     assert s["events"] == (9 - 4) / 3  # events per step, differenced like the times
@@ -666,3 +680,51 @@ def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(mo
     monkeypatch.setattr("sys.argv", ["profile", "--compare", str(kernels), paths[1], "--save", "t"])
     with pytest.raises(ValueError, match="expected 'profile-sources'"):
         profile.main()
+
+
+def test_profile_step_idle_is_measured_inside_each_execution_of_the_step(tmp_path):
+    """Device events belong to the execution whose host span launched them (by correlation id); each
+    execution's idle time is its span less its kernels' union; the first execution is left out, and
+    neither another program's kernels nor the time between executions count."""
+    import gzip
+    import json
+
+    from benchmarks import profile
+
+    def x(pid, ts, dur, name, **args):
+        return dict(ph="X", pid=pid, tid=1, ts=ts, dur=dur, name=name, args=args)
+
+    meta = [
+        dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+        dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+    ]
+    thunks = "[0] GpuExecutable::ExecuteThunks"
+    events = [*meta]
+    # Three executions of the step at host times 0, 1000, 2000 (each span 100 µs), one of another
+    # program at 500. Each step launches kernels a, b, c (correlation ids r*10 + 1..3) inside its span.
+    for r, t in enumerate((0.0, 1000.0, 2000.0)):
+        events.append(x(2, t, 100.0, thunks, module_name="jit_step_fn"))
+        for j, name in enumerate("abc"):
+            events.append(x(2, t + 10.0 * (j + 1), 1.0, f"launch {name}", correlation_id=str(r * 10 + j + 1)))
+    events.append(x(2, 500.0, 50.0, thunks, module_name="jit_add"))
+    events.append(x(2, 510.0, 1.0, "launch add", correlation_id="99"))
+    # Device: step 0 (skipped) anything; steps 1 and 2: a [0, 10), b [12, 20) (2 idle), c [20, 30)
+    # and step 2's c starts 6 late (8 idle). The other program's kernel lies between the steps.
+    dev = {1: [0.0, 2.0, 0.0], 2: [0.0, 2.0, 6.0]}
+    events += [x(1, 100.0, 500.0, "a", correlation_id="1")]  # step 0: a long one, not counted
+    for r, base in ((1, 1100.0), (2, 2100.0)):
+        late = dev[r]
+        events.append(x(1, base, 10.0, "a", correlation_id=str(r * 10 + 1)))
+        events.append(x(1, base + 10.0 + late[1], 8.0, "b", correlation_id=str(r * 10 + 2)))
+        events.append(x(1, base + 20.0 + late[2], 10.0, "c", correlation_id=str(r * 10 + 3)))
+    events.append(x(1, 1600.0, 3.0, "add", correlation_id="99"))
+    (tmp_path / "t").mkdir()
+    with gzip.open(tmp_path / "t" / "x.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    si = profile._step_idle(tmp_path / "t")
+    assert si.runs == 2
+    # Idle 2 and 8 -> median 5; spans 30 and 36 -> 33; busy 28 both.
+    assert si.idle_us == 5.0 and si.span_us == 33.0 and si.busy_us == 28.0
+    assert dict(si.gaps) == {("a", "b"): 2.0, ("b", "c"): 3.0}
+    assert dict(si.count) == {("a", "b"): 1.0, ("b", "c"): 0.5}
+    assert profile._step_idle(tmp_path / "t", module="jit_missing") is None
