@@ -13,6 +13,12 @@
 //     the sums over rows stay in the lane's registers; the row slots of a block (lanes of a warp,
 //     then warps) are added through shuffles and shared memory, and the CTA writes its columns'
 //     sums.
+//   AbftEncodePairKernel (w is (G, K, N), 128-column blocks, K and N multiples of 128): both at
+//     once, the sums of w and those of its transpose, from one read of w (the forward's checks and
+//     the backward's dx checks). A CTA per 128 x 128 tile: each thread loads one column pack of
+//     128 / kSlots rows; a row's packs are adjacent lanes (shuffles give the row's block sums), and
+//     a column's sums over the tile's rows gather across row slots (a shuffle, then the warps
+//     through shared memory).
 // A pack is one 16-byte load (8 bf16/f16 values or 4 f32) where every pack is 16-byte aligned
 // (rows: N and block_n multiples of 8 or 4 values; transposed: K a multiple of 8 or 4), else one
 // value (the general path: odd widths, misaligned rows; the same kernels, scalar loads).
@@ -247,6 +253,111 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
+// The pair's tile: 128 rows by 128 columns (= block_n, both ways).
+constexpr int kPairTile = 128;
+
+struct PairArgs {
+  const void* w;
+  float *sums, *abs_sums;      // (G, K, N / 128, 2), (G, K, N / 128): w's blocks of columns
+  float *sums_t, *abs_sums_t;  // (G, N, K / 128, 2), (G, N, K / 128): its blocks of rows
+  int64_t groups, k, n;
+};
+
+// Up to 3 CTAs per SM (<= 85 registers): a thread holds 8 packs in flight (32 registers for
+// 2-byte values) and 3 f32 sums per column of its pack.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 3) AbftEncodePairKernel(PairArgs a) {
+  constexpr int kVec = 16 / kValueBytes<T>;
+  constexpr int kPacks = kPairTile / kVec;   // packs per tile row: 16 (2-byte values) or 32 (f32)
+  constexpr int kSlots = kThreads / kPacks;  // row slots: 16 or 8
+  constexpr int kRows = kPairTile / kSlots;  // rows per thread: 8 or 16
+  constexpr int kBatch = 8;                  // packs in flight
+  static_assert(kRows % kBatch == 0 && (kPacks == 16 || kPacks == 32), "the pair's tiling");
+  __shared__ float part[kWarps][3][kPairTile];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int p = threadIdx.x % kPacks, slot = threadIdx.x / kPacks;
+  const int64_t nbn = a.n / kPairTile, nbk = a.k / kPairTile;
+  // Column tiles fastest: neighbouring CTAs read neighbouring columns of the same rows.
+  const int64_t ct = blockIdx.x % nbn, rest = blockIdx.x / nbn;
+  const int64_t rt = rest % nbk, g = rest / nbk;
+  const int64_t col0 = ct * kPairTile + p * kVec;
+  float s1[kVec], s2[kVec], sa[kVec];  // this thread's columns, summed over its rows
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) s1[j] = s2[j] = sa[j] = 0;
+#pragma unroll
+  for (int b0 = 0; b0 < kRows; b0 += kBatch) {
+    Pack<T, kVec> q[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t row = rt * kPairTile + slot + (b0 + i) * kSlots;
+      q[i].Load(a.w, (g * a.k + row) * a.n + col0);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int r = slot + (b0 + i) * kSlots;              // row in the tile
+      const float rpos = static_cast<float>(r + 1);       // its position in its block of rows
+      const float cpos = static_cast<float>(p * kVec + 1);  // the pack's first column's, + 1
+      float a1 = 0, a2 = 0, aa = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float x = q[i].At(j);
+        a1 += x;
+        a2 = fmaf(cpos + static_cast<float>(j), x, a2);
+        aa += fabsf(x);
+        s1[j] += x;
+        s2[j] = fmaf(rpos, x, s2[j]);
+        sa[j] += fabsf(x);
+      }
+      // The row's packs are kPacks adjacent lanes (an aligned group): a tree over them.
+#pragma unroll
+      for (int o = kPacks / 2; o > 0; o >>= 1) {
+        a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+        a2 += __shfl_xor_sync(0xffffffffu, a2, o);
+        aa += __shfl_xor_sync(0xffffffffu, aa, o);
+      }
+      if (p == 0) {
+        const int64_t o = (g * a.k + rt * kPairTile + r) * nbn + ct;
+        a.sums[2 * o] = a1;  // two f32 stores: nothing promises sums 8-byte alignment
+        a.sums[2 * o + 1] = a2;
+        a.abs_sums[o] = aa;
+      }
+    }
+  }
+  // A warp's two row slots (2-byte values) hold the same columns 16 lanes apart.
+  if constexpr (kPacks == 16) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      s1[j] += __shfl_xor_sync(0xffffffffu, s1[j], 16);
+      s2[j] += __shfl_xor_sync(0xffffffffu, s2[j], 16);
+      sa[j] += __shfl_xor_sync(0xffffffffu, sa[j], 16);
+    }
+  }
+  if (lane < kPacks) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      part[warp][0][p * kVec + j] = s1[j];
+      part[warp][1][p * kVec + j] = s2[j];
+      part[warp][2][p * kVec + j] = sa[j];
+    }
+  }
+  __syncthreads();
+  // The warps added in order, a thread per column of the tile.
+  if (threadIdx.x < kPairTile) {
+    const int c = threadIdx.x;
+    float t1 = 0, t2 = 0, ta = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      t1 += part[w][0][c];
+      t2 += part[w][1][c];
+      ta += part[w][2][c];
+    }
+    const int64_t o = (g * a.n + ct * kPairTile + c) * nbk + rt;
+    a.sums_t[2 * o] = t1;
+    a.sums_t[2 * o + 1] = t2;
+    a.abs_sums_t[o] = ta;
+  }
+}
+
 int FloorLog2(int64_t v) {
   int l = 0;
   while (v > 1) {
@@ -339,8 +450,58 @@ ffi::Error AbftEncodeCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t block_n
   }
 }
 
+// w's checksum columns and its transpose's (abft_encode's two layouts) from one read of w, where the
+// pair's tiling applies: 128-column blocks, K and N multiples of 128, w 16-byte aligned. Other
+// shapes are abft_encode's (two calls); given one here, the handler refuses it.
+ffi::Error AbftEncodePairCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t block_n,
+                              ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> abs_sums,
+                              ffi::Result<ffi::AnyBuffer> sums_t,
+                              ffi::Result<ffi::AnyBuffer> abs_sums_t) {
+  EncodeIo io, io_t;
+  if (auto e = CheckEncodeShapes(w, block_n, false, *sums, *abs_sums, &io); e.failure()) return e;
+  if (auto e = CheckEncodeShapes(w, block_n, true, *sums_t, *abs_sums_t, &io_t); e.failure()) {
+    return e;
+  }
+  if (block_n != kPairTile || io.k % kPairTile != 0 || io.n % kPairTile != 0 ||
+      reinterpret_cast<uintptr_t>(io.w) % 16 != 0) {
+    return BadArg("abft_encode_pair",
+                  "w " + ShapeString(w.dimensions()) + " with block_n=" + std::to_string(block_n) +
+                      "; expected block_n = 128 and (..., K, N) with K and N multiples of 128 "
+                      "(abft_encode takes the rest)");
+  }
+  const int64_t tiles = io.groups * (io.k / kPairTile) * (io.n / kPairTile);
+  if (tiles == 0) return ffi::Error::Success();  // nothing to launch
+  if (tiles > INT32_MAX) return BadArg("abft_encode_pair", "w has more than 2^31 tiles of 128 x 128");
+  const PairArgs a{io.w, io.sums, io.abs_sums, io_t.sums, io_t.abs_sums, io.groups, io.k, io.n};
+  const auto grid = static_cast<unsigned>(tiles);
+  switch (io.kind) {
+    case FloatKind::kF32:
+      AbftEncodePairKernel<float><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    case FloatKind::kBF16:
+      AbftEncodePairKernel<Bf16><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    case FloatKind::kF16:
+      AbftEncodePairKernel<F16><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    default:
+      return BadArg("abft_encode_pair", "w has an unsupported dtype");
+  }
+  return CudaStatus("abft_encode_pair");
+}
+
 }  // namespace
 }  // namespace pimlayers
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftEncodePairCuda, pimlayers::AbftEncodePairCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()    // w: (..., K, N) f32|bf16|f16
+                                  .Attr<int64_t>("block_n")      // 128: both block widths
+                                  .Ret<xla::ffi::AnyBuffer>()    // sums: (..., K, N/128, 2) f32
+                                  .Ret<xla::ffi::AnyBuffer>()    // abs_sums: (..., K, N/128) f32
+                                  .Ret<xla::ffi::AnyBuffer>()    // sums_t: (..., N, K/128, 2) f32
+                                  .Ret<xla::ffi::AnyBuffer>());  // abs_sums_t: (..., N, K/128) f32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftEncodeCuda, pimlayers::AbftEncodeCuda,
                               xla::ffi::Ffi::Bind()

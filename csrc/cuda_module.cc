@@ -13,6 +13,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftEncodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftEncodePairCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlPimGemvCuda);
 
 namespace {
@@ -36,6 +37,7 @@ PYBIND11_MODULE(_pimlayers_cuda, m) {
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCuda);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCuda);
     d["pimlayers_abft_encode"] = Capsule(PlAbftEncodeCuda);
+    d["pimlayers_abft_encode_pair"] = Capsule(PlAbftEncodePairCuda);
     d["pimlayers_pim_gemv"] = Capsule(PlPimGemvCuda);
     return d;
   });

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import pimlayers.layers as L
+from pimlayers import ops
 from pimlayers.faults import FaultPolicy, FaultReport
 from pimlayers.flax import nnx as pnnx
 
@@ -155,7 +156,9 @@ class DecoderBlock(nnx.Module):
 # Llama3(remat=...): what a rematerialised block keeps for its backward pass (None: its input alone).
 REMAT_POLICIES = {
     "full": None,
-    "gemms": jax.checkpoint_policies.save_only_these_names(L.LINEAR_OUTPUT, L.FLASH_RESIDUALS),
+    "gemms": jax.checkpoint_policies.save_only_these_names(
+        L.LINEAR_OUTPUT, L.FLASH_RESIDUALS, ops.TRANSPOSED_CHECKSUMS
+    ),
 }
 
 
@@ -166,9 +169,10 @@ class Llama3(nnx.Module):
     every layer; ``remat`` rematerialises each block in the backward pass: True (or "full") keeps only
     each block's input (activation memory of one block instead of all), "gemms" also keeps every
     linear layer's product (``layers.LINEAR_OUTPUT``) and the verified flash attention's output and
-    logsumexp (``layers.FLASH_RESIDUALS``), so the backward pass recomputes no GEMM (nor a protected
-    GEMM's checks) and no flash forward kernel, only norms, activations, RoPE and the materialised
-    attention where no flash kernel runs;
+    logsumexp (``layers.FLASH_RESIDUALS``) and the checksums of each weight's transpose that a
+    protected GEMM encodes in its forward pass (``ops.TRANSPOSED_CHECKSUMS``), so the backward pass
+    recomputes no GEMM (nor a protected GEMM's checks), no flash forward kernel and no encode of a
+    weight, only norms, activations, RoPE and the materialised attention where no flash kernel runs;
     ``flash`` is every attention's choice of a flash kernel
     (:func:`pimlayers.layers.attention_core`: None = the verified kernel where it applies, True with
     protection off = cuDNN's). With ``cache`` (from `init_cache`), returns ``(logits, cache)``.

@@ -331,6 +331,50 @@ def test_native_encode_propagates_a_non_finite_weight_and_refuses_bad_input():
         ops.abft_encode(jnp.ones((8,)), 4)
 
 
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+@pytest.mark.parametrize(
+    "shape,block_n",
+    [((256, 384), 128), ((2, 128, 256), 128), ((100, 130), 128), ((256, 384), 64), ((128, 256), None)],
+)
+def test_encode_pair_is_the_two_encodes(shape, block_n, impl):
+    # Where no native pair runs (the CPU; shapes or blocks the pair does not tile) it is the two
+    # encodes themselves, bit for bit; the GPU's one-read kernel is tested in test_gpu.py too.
+    w = jax.random.normal(jax.random.key(sum(shape)), shape, jnp.float32).astype(jnp.bfloat16)
+    enc, enc_t = jax.jit(lambda v: ops.abft_encode_pair(v, block_n, impl=impl))(w)
+    # (Jitted as the pair is: XLA's reductions, impl="reference", add in another order eagerly.)
+    two = lambda v: (
+        ops.abft_encode(v, block_n, impl=impl),
+        ops.abft_encode(v, block_n, transposed=True, impl=impl),
+    )
+    want, want_t = jax.jit(two)(w)
+    # On a GPU "auto" runs the native pair where it tiles: the same f32 sums in another order.
+    exact = impl == "reference" or jax.default_backend() == "cpu"
+    for got, ref in ((enc, want), (enc_t, want_t)):
+        for g, r in zip(got, ref, strict=True):
+            g, r = np.asarray(g), np.asarray(r)
+            if exact:
+                np.testing.assert_array_equal(g, r)
+            else:  # 128-term f32 sums of values ~1 (s2: weights up to 128): ~1e-4 of the largest apart
+                np.testing.assert_allclose(g, r, rtol=0, atol=1e-4 * float(np.abs(r).max()))
+    assert enc_t.sums.shape == (*shape[:-2], shape[-1], -(-shape[-2] // (block_n or shape[-2])), 2)
+
+
+def test_encode_pair_lowers_to_one_kernel_and_refuses_what_it_cannot_tile():
+    # The native pair's call as a GPU program lowers it (no GPU needed): one custom call, four outputs.
+    w = jnp.ones((256, 384), jnp.bfloat16)
+    text = jax.jit(lambda v: ops.abft_encode_pair(v, 128, impl="native")).trace(w)
+    text = text.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("pimlayers_abft_encode_pair") == 1 and 'pimlayers_abft_encode"' not in text
+    assert ops._abft.pair_applies((256, 384), 128) and not ops._abft.pair_applies((256, 384), 64)
+    assert not ops._abft.pair_applies((100, 128), 128) and not ops._abft.pair_applies((0, 128), 128)
+    with pytest.raises(ValueError, match=r"abft_encode_pair: w \(100, 130\) with block_n=128 has no native"):
+        ops.abft_encode_pair(jnp.ones((100, 130)), 128, impl="native")
+    with pytest.raises(TypeError, match="abft_encode_pair: w has dtype int32"):
+        ops.abft_encode_pair(jnp.ones((128, 128), jnp.int32), 128)
+    with pytest.raises(ValueError, match=r"abft_encode_pair: w has shape \(8,\)"):
+        ops.abft_encode_pair(jnp.ones((8,)), 128)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
     "lead,k,n,block_n,transposed",

@@ -136,6 +136,57 @@ def test_abft_encode(gpu, dtype, shape, transposed):
             assert np.all(np.abs(g - r) <= 2 * tol), (block_n, i, np.max(np.abs(g - r) - 2 * tol))
 
 
+# abft_encode_pair's CUDA handler: a 128 x 128 tile per CTA, both layouts from one read. One tile,
+# several tiles each way (tiles in a row and in a column), a leading group axis, every dtype.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(128, 128), (256, 640), (384, 128), (3, 256, 384)])
+def test_abft_encode_pair(gpu, dtype, shape):
+    w_host = random_array(np.random.default_rng(sum(shape)), shape, dtype)
+    w = _on(gpu, w_host)
+    got = jax.jit(lambda v: ops.abft_encode_pair(v, 128, impl="native"))(w)
+    for transposed, enc in zip((False, True), got, strict=True):
+        want = jax.jit(lambda v, t=transposed: ops.abft_encode_reference(v, 128, t))(w)
+        for g, r in zip(enc, want, strict=True):
+            assert g.shape == r.shape and g.dtype == r.dtype == jnp.float32, (transposed, g.shape, r.shape)
+        exact, mags = _exact_encode(w_host, 128, transposed)
+        # As test_abft_encode: each within the probabilistic bound of the exact f64 sums, so within
+        # twice that of the reference; a term missed, doubled or mis-weighted is far outside it.
+        for i, (e, m) in enumerate(zip(exact, mags, strict=True)):
+            tol = 8 * np.sqrt(128) * 2.0**-24 * m
+            g = np.asarray(enc.sums[..., i] if i < 2 else enc.abs_sums, np.float64)
+            r = np.asarray(want.sums[..., i] if i < 2 else want.abs_sums, np.float64)
+            assert np.all(np.abs(g - e) <= tol), (transposed, i, np.max(np.abs(g - e) - tol))
+            assert np.all(np.abs(g - r) <= 2 * tol), (transposed, i, np.max(np.abs(g - r) - 2 * tol))
+
+
+def test_abft_encode_pair_native_refuses_what_it_cannot_tile(gpu):
+    # Shapes the wrapper sends to abft_encode instead: the handler answers with an error, not a crash.
+    def call(w, block_n):
+        k, n = w.shape
+        outs = tuple(
+            jax.ShapeDtypeStruct(s, jnp.float32)
+            for s in (
+                (k, -(-n // block_n), 2),
+                (k, -(-n // block_n)),
+                (n, -(-k // block_n), 2),
+                (n, -(-k // block_n)),
+            )
+        )
+        fn = jax.ffi.ffi_call("pimlayers_abft_encode_pair", outs)
+        return jax.jit(lambda v: fn(v, block_n=np.int64(block_n)))(w)
+
+    with pytest.raises(Exception, match=r"abft_encode_pair: w \(128, 192\) with block_n=128; expected"):
+        jax.block_until_ready(call(_on(gpu, jnp.ones((128, 192), jnp.bfloat16)), 128))
+    with pytest.raises(Exception, match=r"abft_encode_pair: w \(128, 128\) with block_n=64; expected"):
+        jax.block_until_ready(call(_on(gpu, jnp.ones((128, 128), jnp.bfloat16)), 64))
+    s, a, st, at = call(_on(gpu, jnp.ones((128, 256), jnp.bfloat16)), 128)  # and it runs on after them
+    assert np.array_equal(np.asarray(s), np.broadcast_to(np.array([128.0, 8256.0], np.float32), (128, 2, 2)))
+    assert np.array_equal(np.asarray(st), np.broadcast_to(np.array([128.0, 8256.0], np.float32), (256, 1, 2)))
+    assert np.array_equal(np.asarray(a), np.full((128, 2), 128.0)) and np.array_equal(
+        np.asarray(at), np.full((256, 1), 128.0)
+    )
+
+
 def test_abft_encode_native_refuses_bad_input(gpu):
     # Inputs the wrapper never passes: the CUDA handler answers with an error, it does not abort.
     def call(w, k, nb, block_n):

@@ -308,6 +308,50 @@ def test_gradients_match_plain_and_backward_faults_are_reported():
     np.testing.assert_allclose(gw, gw0, atol=1e-5)
 
 
+def test_the_backward_checks_dx_with_the_transposed_checksums_of_the_forward():
+    # Without given checksums the forward encodes w's and wᵀ's together (ops.abft_encode_pair) and
+    # the backward's dx check takes wᵀ's from it: gradients and reports as when the backward encodes
+    # wᵀ itself (given checksums), clean and with faults in dx. A rematerialisation policy that
+    # saves ops.TRANSPOSED_CHECKSUMS keeps the backward from encoding w again.
+    policy = FaultPolicy(block_n=128)
+    x, w = _xw(64, 256, 384)
+    enc = ops.abft_encode(w, 128)
+
+    def loss(a, b, tap, faults, given):
+        y, _ = ops.protected_matmul(a, b, enc if given else None, policy=policy, tap=tap, faults=faults)
+        return jnp.sum(jnp.sin(y))
+
+    hit = (
+        GemmFaults.none(),
+        GemmFaults.random(jax.random.key(3), (64, 256), 3, 1.0, bit=30),
+        GemmFaults.none(),
+    )
+    for faults in ((GemmFaults.none(),) * 3, hit):
+        got, want = (
+            jax.grad(functools.partial(loss, faults=faults, given=g), argnums=(0, 1, 2))(x, w, ops.zero_tap())
+            for g in (False, True)
+        )
+        for a, b in zip(got, want, strict=True):
+            if jax.default_backend() == "cpu":  # the pair is the two encodes there
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            else:  # a GPU's one-read pair sums in another order: corrections may round apart
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        detected = ops.report_from_tap(got[2]).to_dict()["gemm_detected"]
+        assert detected == (faults is hit)
+
+    def encodes(save):
+        policy_r = jax.checkpoint_policies.save_only_these_names(*save)
+        f = jax.checkpoint(functools.partial(loss, faults=None, given=False), policy=policy_r)
+        return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w, ops.zero_tap())).count(
+            "pimlayers_abft_encode"
+        )
+
+    # Forward: w's and wᵀ's (two encodes on a CPU); backward: dy's for dw, and wᵀ's again unless saved.
+    # (Counted on a CPU-only process: with a GPU each op's jaxpr holds a branch per platform.)
+    if jax.default_backend() == "cpu":
+        assert encodes([ops.TRANSPOSED_CHECKSUMS]) == 3 and encodes([]) == 4
+
+
 def test_nan_and_inf_stay_out_of_values_and_gradients():
     x, w = _xw(8, 16, 12)
     x = x.at[0, 0].set(jnp.nan).at[3, 5].set(jnp.inf)  # whole rows go non-finite: nothing to correct

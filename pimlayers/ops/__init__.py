@@ -11,6 +11,7 @@ from ._abft import abft_check as abft_check
 from ._abft import abft_check_reference as abft_check_reference
 from ._abft import abft_checks as abft_checks
 from ._abft import abft_encode as abft_encode
+from ._abft import abft_encode_pair as abft_encode_pair
 from ._abft import abft_encode_reference as abft_encode_reference
 from ._abft import abft_finish as abft_finish
 from ._abft import abft_finish_reference as abft_finish_reference
@@ -51,6 +52,7 @@ from ._pim import pim_gemv as pim_gemv
 from ._pim import pim_gemv_reference as pim_gemv_reference
 from ._pim import pim_linear as pim_linear
 from ._pim import pim_pack as pim_pack
+from ._protected_matmul import TRANSPOSED_CHECKSUMS as TRANSPOSED_CHECKSUMS
 from ._protected_matmul import protected_bmm as protected_bmm
 from ._protected_matmul import protected_bmm_grads as protected_bmm_grads
 from ._protected_matmul import protected_matmul as protected_matmul

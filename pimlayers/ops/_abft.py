@@ -231,6 +231,67 @@ def abft_encode(
     )
 
 
+# The pair's handler (csrc/abft_encode.cu, AbftEncodePairKernel) is CUDA only: on the CPU the two
+# encodes are native already and each reads w once from cache-sized blocks.
+_PAIR_NATIVE_ON: tuple[str, ...] = ("cuda",)
+PAIR_BLOCK = 128  # the pair's tile, both ways: 128-column blocks of w, 128-row blocks of wᵀ's
+
+
+def pair_applies(shape: tuple[int, ...], block_n: int | None) -> bool:
+    """Whether :func:`abft_encode_pair` reads w once on a GPU: 128-column blocks, K and N
+    multiples of 128 (every Llama-3 weight); elsewhere it is two encodes."""
+    return (
+        len(shape) >= 2
+        and block_n == PAIR_BLOCK
+        and shape[-2] % PAIR_BLOCK == 0
+        and shape[-1] % PAIR_BLOCK == 0
+        and all(d > 0 for d in shape)
+    )
+
+
+def _encode_pair_native(w, block_n: int) -> tuple[WeightChecksums, WeightChecksums]:
+    *g, k, n = w.shape
+    out = (
+        jax.ShapeDtypeStruct((*g, k, n // block_n, 2), jnp.float32),
+        jax.ShapeDtypeStruct((*g, k, n // block_n), jnp.float32),
+        jax.ShapeDtypeStruct((*g, n, k // block_n, 2), jnp.float32),
+        jax.ShapeDtypeStruct((*g, n, k // block_n), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("pimlayers_abft_encode_pair", out, vmap_method="broadcast_all")
+    s, a, st, at = call(w, block_n=np.int64(block_n))
+    return WeightChecksums(s, a), WeightChecksums(st, at)
+
+
+@_scoped("pimlayers.abft_encode_pair")
+def abft_encode_pair(
+    w: Float[Array, "*g k n"], block_n: int | None = None, *, impl: str = "auto"
+) -> tuple[WeightChecksums, WeightChecksums]:
+    """``(abft_encode(w, block_n), abft_encode(w, block_n, transposed=True))``: the checksum columns
+    of w for ``x @ w`` and those of wᵀ for ``dy @ wᵀ`` (the backward's dx, w read in place).
+
+    On a GPU, where :func:`pair_applies` (128-column blocks, K and N multiples of 128), one kernel
+    reads w once for both; the two encodes read it twice. Elsewhere, and with ``impl="reference"``,
+    the two encodes (``"reference"``: their pure-JAX twins). The sums are f32 like the encodes',
+    in another order of additions (within the checks' bound, which allows for f32 sums).
+    """
+    check_float("abft_encode_pair", "w", w)
+    check_impl("abft_encode_pair", impl)
+    if w.ndim < 2:
+        raise ValueError(f"pimlayers.abft_encode_pair: w has shape {tuple(w.shape)}; expected (..., K, N)")
+    fits = pair_applies(tuple(w.shape), block_n)
+    if impl == "native" and not fits:
+        raise ValueError(
+            f"pimlayers.abft_encode_pair: w {tuple(w.shape)} with block_n={block_n!r} has no native pair; "
+            f"expected block_n={PAIR_BLOCK} and K, N multiples of {PAIR_BLOCK} (impl='auto' encodes twice)"
+        )
+    sub = "reference" if impl == "reference" else "auto"
+    two = lambda v: (abft_encode(v, block_n, impl=sub), abft_encode(v, block_n, transposed=True, impl=sub))
+    if not fits:
+        return two(w)
+    native = lambda v: _encode_pair_native(v, PAIR_BLOCK)
+    return dispatch("abft_encode_pair", impl, native, two, lax.stop_gradient(w), native_on=_PAIR_NATIVE_ON)
+
+
 @_scoped("pimlayers.abft_checks")
 def abft_checks(
     x: Float[Array, "*m k"],

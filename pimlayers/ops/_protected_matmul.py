@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Int32
 
 from ..faults import FaultPolicy, FaultReport
@@ -44,6 +45,7 @@ from ._abft import (
     WeightChecksums,
     abft_checks,
     abft_encode,
+    abft_encode_pair,
     abft_finish,
     abft_finish_reference,
 )
@@ -54,6 +56,7 @@ from ._gate import gate
 
 __all__ = [
     "REPORT_FIELDS",
+    "TRANSPOSED_CHECKSUMS",
     "protected_bmm",
     "protected_bmm_grads",
     "protected_matmul",
@@ -63,6 +66,11 @@ __all__ = [
 ]
 
 REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(FaultReport))  # no arrays at import
+
+# The name (``jax.ad_checkpoint.checkpoint_name``) of the checksum columns of wᵀ that a protected
+# GEMM encodes in its forward pass, with w's own, for its backward's dx check: a rematerialisation
+# policy that saves it (``save_only_these_names``) keeps the backward from encoding w again.
+TRANSPOSED_CHECKSUMS = "pimlayers.transposed_checksums"
 
 
 def zero_tap() -> jax.Array:
@@ -415,22 +423,24 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
     return out, gated, still, jnp.sum(redone, dtype=jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _pmm(a, bs, encs, faults, tap, policy, precision, impl, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _pmm(a, bs, encs, encs_t, faults, tap, policy, precision, impl, out_dtype):
     """``a @ b`` for every weight b of ``bs`` (one operand, checks shared: :func:`_checked_gemms`),
-    with ``encs`` and ``faults`` (None or a (forward, dx, dw) triple of GemmFaults) per weight."""
-    del tap
+    with ``encs``, ``encs_t`` (None, or the checksums of bᵀ for the backward's dx check, encoded
+    with b's: ``abft_encode_pair``) and ``faults`` (None or a (forward, dx, dw) triple of
+    GemmFaults) per weight."""
+    del tap, encs_t
     fwd_faults = tuple(None if f is None else f[0] for f in faults)
     return _checked_gemms(a, bs, encs, policy, fwd_faults, precision, impl, out_dtype)
 
 
-def _pmm_fwd(a, bs, encs, faults, tap, policy, precision, impl, out_dtype):
-    out = _pmm(a, bs, encs, faults, tap, policy, precision, impl, out_dtype)
-    return out, (a, bs, encs, faults)
+def _pmm_fwd(a, bs, encs, encs_t, faults, tap, policy, precision, impl, out_dtype):
+    out = _pmm(a, bs, encs, encs_t, faults, tap, policy, precision, impl, out_dtype)
+    return out, (a, bs, encs, encs_t, faults)
 
 
 def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
-    a, bs, encs, faults = res
+    a, bs, encs, encs_t, faults = res
     dys, _ = cts
     del out_dtype
     # The backward GEMMs run on the operands' own dtype with f32 accumulation, as the forward does:
@@ -450,18 +460,20 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     # cotangents; the dw GEMMs share xᵀ, so one check GEMM serves them all.
     aa = a.astype(dtype)
     da, r_da = None, FaultReport.zeros()
-    for b, dy, f in zip(bs, dys, f_da, strict=True):
+    for b, et, dy, f in zip(bs, encs_t, dys, f_da, strict=True):
         bb = b.astype(dtype)
-        enc_bt = _encode(bb, policy, transposed=True)
+        # wᵀ's checksums from the forward where it encoded them with w's (the same values: b in its
+        # own dtype), else encoded here from w in place.
+        enc_bt = et if et is not None and bb.dtype == b.dtype else _encode(bb, policy, transposed=True)
         d, r = _checked_gemm(dy, bb, enc_bt, policy, f, precision, impl, a.dtype, "dx", b_t=True)
         da, r_da = (d if da is None else da + d), r_da + r
     # The reduction over tokens gets its own safety factor (FaultPolicy.lam_dw says why).
     dw_policy = policy.replace(lam=policy.lam_dw)
     dy_encs = [_encode(dy, policy) for dy in dys]
     db, r_db = _checked_gemms(aa, dys, dy_encs, dw_policy, f_db, precision, impl, bs[0].dtype, "dw", a_t=True)
-    zeros_enc = jax.tree.map(jnp.zeros_like, encs)
+    zeros_enc, zeros_enc_t = jax.tree.map(jnp.zeros_like, (encs, encs_t))
     no_faults = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
-    return da, db, zeros_enc, no_faults, _to_tap(r_da + r_db)
+    return da, db, zeros_enc, zeros_enc_t, no_faults, _to_tap(r_da + r_db)
 
 
 _pmm.defvjp(_pmm_fwd, _pmm_bwd)
@@ -559,7 +571,7 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
     prepared = [_prepare(policy, out_dtype, precision, f, tap) for f in faults]
     policy, precision, _, tap = prepared[0]
     faults = tuple(p[2] for p in prepared)
-    encs = tuple(abft_encode(w, policy.block_n) if e is None else e for w, e in zip(ws, encs, strict=True))
+    encs, encs_t = _encodes(ws, encs, policy)
     for w, enc in zip(ws, encs, strict=True):
         n = w.shape[1]
         nb = 0 if n == 0 else -(-n // (n if policy.block_n is None else policy.block_n))
@@ -570,9 +582,11 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
                 f"abft_encode(w, block_n={policy.block_n})"
             )
     with jax.named_scope(f"pimlayers.{op}"):
-        encs1 = tuple(WeightChecksums(e.sums[None], e.abs_sums[None]) for e in encs)
+        lift = lambda e: None if e is None else WeightChecksums(e.sums[None], e.abs_sums[None])
+        encs1, encs_t1 = tuple(map(lift, encs)), tuple(map(lift, encs_t))
         ws1 = tuple(w[None] for w in ws)
-        ys, report = _pmm(x.reshape(1, -1, k), ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
+        x1 = x.reshape(1, -1, k)
+        ys, report = _pmm(x1, ws1, encs1, encs_t1, faults, tap, policy, precision, impl, out_dtype)
     return tuple(y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)), report
 
 
@@ -611,7 +625,8 @@ def protected_bmm(
     a3, b3 = a.reshape(g, r, k), b.reshape(g, k, n)
     with jax.named_scope("pimlayers.protected_bmm"):
         enc = _encode(b3, policy)
-        (y,), report = _pmm(a3, (b3,), (enc,), (faults,), tap, policy, precision, impl, jnp.dtype(out_dtype))
+        out = jnp.dtype(out_dtype)
+        (y,), report = _pmm(a3, (b3,), (enc,), (None,), (faults,), tap, policy, precision, impl, out)
     return y.reshape(*lead, r, n), report
 
 
@@ -643,10 +658,28 @@ def protected_bmm_grads(
     operands = jnp.result_type(a.dtype, b.dtype)
     policy, precision, faults, _ = _prepare(policy, operands, precision, faults, None)
     g = int(np.prod(lead, dtype=np.int64))
-    res = (a.reshape(g, r, k), (b.reshape(g, k, n),), (None,), (faults,))
+    res = (a.reshape(g, r, k), (b.reshape(g, k, n),), (None,), (None,), (faults,))
     with jax.named_scope("pimlayers.protected_bmm_grads"):
-        da, (db,), _, _, tap = _pmm_bwd(policy, precision, impl, None, res, ((dy.reshape(g, r, n),), None))
+        da, (db,), _, _, _, tap = _pmm_bwd(policy, precision, impl, None, res, ((dy.reshape(g, r, n),), None))
     return da.reshape(a.shape), db.reshape(b.shape), report_from_tap(tap)
+
+
+def _encodes(ws, encs, policy: FaultPolicy):
+    """The checksum columns of each weight (given ones kept) and, where this encodes them, those of
+    its transpose for the backward's dx check (``abft_encode_pair``: on a GPU one read of w for
+    both, where the backward would read it again), named ``TRANSPOSED_CHECKSUMS`` so a
+    rematerialisation policy can keep them. Given checksums leave wᵀ's to the backward (None)."""
+    out, out_t = [], []
+    for w, e in zip(ws, encs, strict=True):
+        et = None
+        if e is None and policy.enabled:
+            e, et = abft_encode_pair(w, policy.block_n)
+            et = jax.tree.map(lambda v: checkpoint_name(v, TRANSPOSED_CHECKSUMS), et)
+        elif e is None:
+            e = abft_encode(w, policy.block_n)
+        out.append(e)
+        out_t.append(et)
+    return tuple(out), tuple(out_t)
 
 
 def _encode(b, policy: FaultPolicy, transposed: bool = False) -> WeightChecksums:
