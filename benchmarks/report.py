@@ -124,6 +124,11 @@ the operation a kernel's HLO instruction came from, read from an XLA dump of the
 (`python -m benchmarks.profile --compare ON OFF --save TAG`, no run of its own) sets a protected and
 an unprotected `profile-sources` table of one device side by side: `added_ms` is what protection
 adds per op (negative: the unprotected step's own ops it replaces, cuDNN's attention among them).
+From 2026-12-04 (`...-idle` files) a row "(device idle inside the step program)" gives the device's
+idle time within one execution of the step's program (the median over the traced executions but the
+first; each kernel assigned to the execution whose host launch it came from), with the number of
+gaps: the span of an execution less its kernels' union. Time between executions (the training
+loop's own work, its reads of the step's counters) is not in it.
 
 Reading the finish table: `python -m benchmarks.run --suite finish` times `abft_finish` alone (in
 place, carried through a jitted loop as the training step runs it) at every product a Llama-3-8B
@@ -151,7 +156,9 @@ XLA cannot fuse them), alone and with the project's native gate after every 10th
 `kernels` are counted in a profiler trace (the first file, 2026-12-04, counted one per update and per
 gate call, leaving out each gate call's memset). Per kernel: `wall_us` (the program's wall time over
 its kernels), `kernel_us` (their own device time) and `gap_us`, the difference: what a kernel costs
-beyond its work; `per_call_us` (newer files) is the wall time per update.
+beyond its work; `per_call_us` (newer files) is the wall time per update. On a Hopper GPU the
+`launch-mosaic` file adds chains with a Pallas Mosaic-GPU kernel (the custom call the verified flash
+attention and the fused GEMM go through) after every 10th or each of 200 updates (`updates`).
 
 Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
 (no recompute) in alternating processes without and with an environment setting that the native
