@@ -294,8 +294,8 @@ __global__ void __launch_bounds__(kThreads, 3) AbftEncodePairKernel(PairArgs a) 
     }
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      const int r = slot + (b0 + i) * kSlots;              // row in the tile
-      const float rpos = static_cast<float>(r + 1);       // its position in its block of rows
+      const int r = slot + (b0 + i) * kSlots;               // row in the tile
+      const float rpos = static_cast<float>(r + 1);         // its position in its block of rows
       const float cpos = static_cast<float>(p * kVec + 1);  // the pack's first column's, + 1
       float a1 = 0, a2 = 0, aa = 0;
 #pragma unroll
@@ -450,11 +450,12 @@ ffi::Error AbftEncodeCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t block_n
   }
 }
 
-// w's checksum columns and its transpose's (abft_encode's two layouts) from one read of w, where the
-// pair's tiling applies: 128-column blocks, K and N multiples of 128, w 16-byte aligned. Other
+// w's checksum columns and its transpose's (abft_encode's two layouts) from one read of w, where
+// the pair's tiling applies: 128-column blocks, K and N multiples of 128, w 16-byte aligned. Other
 // shapes are abft_encode's (two calls); given one here, the handler refuses it.
 ffi::Error AbftEncodePairCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t block_n,
-                              ffi::Result<ffi::AnyBuffer> sums, ffi::Result<ffi::AnyBuffer> abs_sums,
+                              ffi::Result<ffi::AnyBuffer> sums,
+                              ffi::Result<ffi::AnyBuffer> abs_sums,
                               ffi::Result<ffi::AnyBuffer> sums_t,
                               ffi::Result<ffi::AnyBuffer> abs_sums_t) {
   EncodeIo io, io_t;
@@ -471,7 +472,8 @@ ffi::Error AbftEncodePairCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t blo
   }
   const int64_t tiles = io.groups * (io.k / kPairTile) * (io.n / kPairTile);
   if (tiles == 0) return ffi::Error::Success();  // nothing to launch
-  if (tiles > INT32_MAX) return BadArg("abft_encode_pair", "w has more than 2^31 tiles of 128 x 128");
+  if (tiles > INT32_MAX)
+    return BadArg("abft_encode_pair", "w has more than 2^31 tiles of 128 x 128");
   const PairArgs a{io.w, io.sums, io.abs_sums, io_t.sums, io_t.abs_sums, io.groups, io.k, io.n};
   const auto grid = static_cast<unsigned>(tiles);
   switch (io.kind) {
