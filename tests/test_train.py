@@ -77,6 +77,33 @@ def test_resume_continues_bit_exactly(tmp_path):
     assert straight["curve"][-4:] == resumed["curve"][-4:]
 
 
+def test_the_loop_never_evaluates_the_schedule_on_the_device_per_step(monkeypatch, tmp_path):
+    # An eager schedule(s) per step was a program queued behind the step just dispatched; reading it
+    # made the host wait for that step, so the device idled while the next one was queued. The
+    # loop logs learning rates evaluated once, in a traced program; the optimizer's own calls are
+    # traced inside the step.
+    import optax
+
+    eager = []
+    make = optax.warmup_cosine_decay_schedule
+
+    def counting(*a, **k):
+        sched = make(*a, **k)
+
+        def wrapped(step):
+            eager.append(not isinstance(step, jax.core.Tracer))
+            return sched(step)
+
+        return wrapped
+
+    monkeypatch.setattr(T.optax, "warmup_cosine_decay_schedule", counting)
+    T.train(_cfg(tmp_path, steps=4, eval_every=100, devices=1))
+    assert eager and not any(eager)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    want = make(0.0, 3e-3, 2, 4, 3e-4)  # TrainConfig.lr, the config warmup of 2, 4 steps
+    assert [r["lr"] for r in log] == pytest.approx([float(want(s)) for s in range(4)], rel=1e-6)
+
+
 def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit):
         T.parse_args(["--link-fault-rate", "0.5"])

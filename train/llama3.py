@@ -375,6 +375,12 @@ def train(cfg: TrainConfig) -> dict:
     # makes the host wait (a GPU reads loop and branch predicates on the host). Near the step time,
     # the host and not the device sets the pace.
     call_s: list[float] = []
+    # The logged learning rate of every step, evaluated once here. Evaluated per step (the schedule
+    # is a handful of small jnp ops), it was a program queued behind the step just dispatched, and
+    # reading it made the host wait for that whole step: the device then idled while the host logged
+    # and queued the next one (both steps on an H200 spent ~10 ms per step outside their program,
+    # 2026-12-04, docs/gpu-tests.md).
+    lrs = np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(cfg.steps)), np.float64)
 
     def finish(s, stats, report, mem, timed: bool) -> None:
         """Read step s's counters (waits for it), log it and move the bar. ``timed``: the interval
@@ -396,7 +402,7 @@ def train(cfg: TrainConfig) -> dict:
             loss=stats["loss"],
             tokens_per_s=tok_s,
             mfu=mfu,
-            lr=float(schedule(s)),
+            lr=float(lrs[s]),
             **totals,
             **{k: int(v) for k, v in _host_sum(report_sum, memory).to_dict().items() if v},
         )
