@@ -39,7 +39,9 @@ import bisect
 import collections
 import functools
 import gzip
+import itertools
 import json
+import math
 import os
 import pathlib
 import re
@@ -222,6 +224,11 @@ class StepIdle(typing.NamedTuple):
     idle_us: float
     gaps: collections.Counter
     count: collections.Counter
+    # Between consecutive executions (medians over the pairs; NaN with fewer than two): the device's
+    # time from one execution's last kernel to the next one's first, and how much of it other
+    # programs' kernels and copies covered (the training loop's own work, say); the rest is idle.
+    between_us: float = float("nan")
+    between_busy_us: float = float("nan")
 
 
 def _step_idle(
@@ -261,12 +268,16 @@ def _step_idle(
             if i >= 0 and t <= runs[i][1]:
                 owner[str(cid)] = i
     per_run: dict[int, list] = collections.defaultdict(list)
+    others = []  # device events of no execution of the module
     for e in events:
         if e.get("ph") == "X" and e["pid"] in device:
             i = owner.get(str(e.get("args", {}).get("correlation_id")))
+            t0 = float(e["ts"])
+            iv = (t0, t0 + float(e.get("dur", 0.0)), e["name"])
             if i is not None:
-                t0 = float(e["ts"])
-                per_run[i].append((t0, t0 + float(e.get("dur", 0.0)), e["name"]))
+                per_run[i].append(iv)
+            else:
+                others.append(iv)
     keep = sorted(per_run)[1:] if skip_first and len(per_run) > 1 else sorted(per_run)
     spans, busy, idle = [], [], []
     gaps, count = collections.Counter(), collections.Counter()
@@ -286,7 +297,22 @@ def _step_idle(
         idle.append(end - first - covered)
     if not keep:
         return None
+    between, between_busy = [], []
+    for i, j in itertools.pairwise(keep):
+        if j != i + 1:
+            continue
+        lo, hi = max(t1 for _, t1, _ in per_run[i]), min(t0 for t0, _, _ in per_run[j])
+        # The union of the other events' parts inside (lo, hi).
+        cut = sorted((max(t0, lo), min(t1, hi)) for t0, t1, _ in others if t1 > lo and t0 < hi)
+        covered, end = 0.0, lo
+        for t0, t1 in cut:
+            if t1 > end:
+                covered += t1 - max(t0, end)
+                end = t1
+        between.append(max(hi - lo, 0.0))
+        between_busy.append(covered)
     n = len(keep)
+    med = lambda v: float(np.median(v)) if v else float("nan")
     return StepIdle(
         n,
         float(np.median(spans)),
@@ -294,6 +320,8 @@ def _step_idle(
         float(np.median(idle)),
         collections.Counter({k: v / n for k, v in gaps.items()}),
         collections.Counter({k: v / n for k, v in count.items()}),
+        med(between),
+        med(between_busy),
     )
 
 
@@ -462,6 +490,8 @@ def summarize(
                 busy_ms=inside.busy_us / 1e3,
                 idle_ms=inside.idle_us / 1e3,
                 gap_count=sum(inside.count.values()),
+                between_ms=inside.between_us / 1e3,
+                between_busy_ms=inside.between_busy_us / 1e3,
                 gaps=[
                     dict(before=k[0], after=k[1], ms=v / 1e3, count=inside.count[k])
                     for k, v in inside.gaps.most_common(top)
@@ -483,6 +513,11 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
         kernels.append(
             dict(kernel=name, ms_per_step=si["idle_ms"], share=share, count_per_step=si["gap_count"])
         )
+        if math.isfinite(si.get("between_ms", math.nan)):  # files from 0bbb3cb on lack these two
+            between = "(device time between two executions of the step program: median)"
+            kernels.append(dict(kernel=between, ms_per_step=si["between_ms"]))
+            busy = "(of it, with another program's kernel or copy running)"
+            kernels.append(dict(kernel=busy, ms_per_step=si["between_busy_ms"]))
     for r in summary["kernels"]:
         row = {"kernel": r["name"][:90], "ms_per_step": r["ms"], "share": r["share"]}
         if "sources" in summary:
@@ -677,6 +712,11 @@ def main() -> None:
         )
         for r in si["gaps"]:
             print(f"  {r['ms']:10.3f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
+        if math.isfinite(si.get("between_ms", math.nan)):
+            print(
+                f"between two executions (median): {si['between_ms']:.2f} ms of device time, "
+                f"{si['between_busy_ms']:.2f} ms of it with another program's kernel or copy running"
+            )
     if "host" in s:
         print("\nhost events (ms per step, inclusive of what they enclose; count per step):")
         for r in s["host"]:

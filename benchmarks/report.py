@@ -128,7 +128,9 @@ From 2026-12-04 (`...-idle` files) a row "(device idle inside the step program)"
 idle time within one execution of the step's program (the median over the traced executions but the
 first; each kernel assigned to the execution whose host launch it came from), with the number of
 gaps: the span of an execution less its kernels' union. Time between executions (the training
-loop's own work, its reads of the step's counters) is not in it.
+loop's own work, its reads of the step's counters) is not in it; newer files give it in two more
+rows: the device time from one execution's last kernel to the next one's first (median over pairs
+of consecutive executions) and how much of it other programs' kernels and copies covered.
 
 Reading the finish table: `python -m benchmarks.run --suite finish` times `abft_finish` alone (in
 place, carried through a jitted loop as the training step runs it) at every product a Llama-3-8B

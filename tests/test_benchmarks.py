@@ -717,7 +717,7 @@ def test_profile_step_idle_is_measured_inside_each_execution_of_the_step(tmp_pat
         events.append(x(1, base, 10.0, "a", correlation_id=str(r * 10 + 1)))
         events.append(x(1, base + 10.0 + late[1], 8.0, "b", correlation_id=str(r * 10 + 2)))
         events.append(x(1, base + 20.0 + late[2], 10.0, "c", correlation_id=str(r * 10 + 3)))
-    events.append(x(1, 1600.0, 3.0, "add", correlation_id="99"))
+    events.append(x(1, 1600.0, 3.0, "add", correlation_id="99"))  # between steps 1 and 2
     (tmp_path / "t").mkdir()
     with gzip.open(tmp_path / "t" / "x.trace.json.gz", "wt") as f:
         json.dump(dict(traceEvents=events), f)
@@ -727,4 +727,7 @@ def test_profile_step_idle_is_measured_inside_each_execution_of_the_step(tmp_pat
     assert si.idle_us == 5.0 and si.span_us == 33.0 and si.busy_us == 28.0
     assert dict(si.gaps) == {("a", "b"): 2.0, ("b", "c"): 3.0}
     assert dict(si.count) == {("a", "b"): 1.0, ("b", "c"): 0.5}
+    # Between steps 1 and 2 (the only pair kept): from step 1's last end (1130) to step 2's first
+    # start (2100), 3 µs of it the other program's kernel.
+    assert si.between_us == 970.0 and si.between_busy_us == 3.0
     assert profile._step_idle(tmp_path / "t", module="jit_missing") is None
