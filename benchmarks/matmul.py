@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimlayers import FaultPolicy, native_info, ops
-from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm
+from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm, pair_applies
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 
 from ._harness import time_fn, time_pair
@@ -113,7 +113,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     ``encode_transposed_gemm`` the same sums as GEMMs against a block matrix (checked equal first),
     ``encode_native`` and ``encode_transposed_native`` the native handler with ``impl="native"``
     (what "auto" takes where there is one; checked against the reference first, None where the
-    platform has none), the checks
+    platform has none), ``encode_pair_native`` both from one read (``abft_encode_pair``, the GPU's
+    kernel, where the shapes tile; checked against both references; None elsewhere), the checks
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
@@ -123,6 +124,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     """
     rows = []
     native = _native_encode()
+    pair = _native_encode("pimlayers_abft_encode_pair")
     for block_n in block_ns:
         policy = FaultPolicy(block_n=block_n)
         for k, n in shapes:
@@ -155,6 +157,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 "encode_transposed_gemm": (jax.jit(lambda ww, bn=bn: encode_transposed_gemm(ww, bn)), (w,)),
                 # the native encodes ("auto" where the platform has them: _ENCODE_NATIVE_ON)
                 **(_native_encodes(w, bn) if native else {}),
+                # both from one read (the GPU's pair kernel, where the shapes tile)
+                **({"encode_pair_native": (_pair(bn), (w,))} if pair and pair_applies(w.shape, bn) else {}),
                 "checks": (jax.jit(ops.abft_checks), (x, enc)),
                 "gemm_finish": (jax.jit(gemm_finish), (x, w, c, mag)),
                 "gemm_checks_finish": (jax.jit(fused), (x, w, enc)),
@@ -178,6 +182,13 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                         lambda ww, bn=bn, t=t: ops.abft_encode(ww, bn, transposed=t, impl="reference")
                     )
                     _same_encode(f"{name} {k}->{n}", ref(w), fns[name][0](w), width)
+            if "encode_pair_native" in fns:
+                both = fns["encode_pair_native"][0](w)
+                for t, got, width in ((False, both[0], min(bn, n)), (True, both[1], min(bn, k))):
+                    ref = ops.abft_encode(w, bn, transposed=t, impl="reference")
+                    _same_encode(
+                        f"encode_pair_native ({'transposed' if t else 'plain'}) {k}->{n}", ref, got, width
+                    )
             for name in ("protected", "protected_redo_blocks", "protected_fused"):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)
@@ -187,6 +198,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             row.update({f"{name}_ms": time_fn(fn, *a) * 1e3 for name, (fn, a) in fns.items()})
             if not native:
                 row.update(encode_native_ms=None, encode_transposed_native_ms=None)
+            row.setdefault("encode_pair_native_ms", None)
             row["ratio"] = row["plain_ms"] / row["protected_ms"]
             if block_n is not None:
                 row["ratio_redo_blocks"] = row["plain_ms"] / row["protected_redo_blocks_ms"]
@@ -196,6 +208,11 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     return rows
 
 
+def _pair(block_n):
+    """``encode_pair_native``: abft_encode_pair with impl="native", on the weight passed at timing."""
+    return jax.jit(lambda ww: ops.abft_encode_pair(ww, block_n, impl="native"))
+
+
 def _native_encodes(w, block_n):
     """``encode_native`` and ``encode_transposed_native``: abft_encode with impl="native"."""
     plain = jax.jit(lambda ww: ops.abft_encode(ww, block_n, impl="native"))
@@ -203,12 +220,13 @@ def _native_encodes(w, block_n):
     return {"encode_native": (plain, (w,)), "encode_transposed_native": (transposed, (w,))}
 
 
-def _native_encode() -> bool:
-    """Whether the default device's platform has a native abft_encode handler registered (a GPU's
-    CUDA one; missing from a CUDA module built before it, and from a build without nvcc)."""
+def _native_encode(target: str = "pimlayers_abft_encode") -> bool:
+    """Whether the default device's platform has the native handler ``target`` registered (a GPU's
+    CUDA one; missing from a CUDA module built before it, and from a build without nvcc; the pair's
+    exists only for CUDA)."""
     platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     info = native_info().get(platform)
-    return info is not None and "pimlayers_abft_encode" in info.targets
+    return info is not None and target in info.targets
 
 
 def _same_encode(what: str, want: WeightChecksums, got: WeightChecksums, width: int) -> None:

@@ -534,6 +534,9 @@ def test_matmul_parts_times_every_stage_after_checking_the_two_transposed_encode
         assert all(row[s] > 0 for s in native)
     else:
         assert all(row[s] is None for s in native)
+    # The one-read pair of both encodes: a GPU's (CUDA only), None here and where it does not tile.
+    pair = matmul._native_encode("pimlayers_abft_encode_pair")
+    assert (row["encode_pair_native_ms"] > 0) if pair else row["encode_pair_native_ms"] is None
 
 
 def test_matmul_parts_refuses_native_encodes_that_differ_from_the_reference():
