@@ -10,7 +10,8 @@ of them: XLA records runs of its own kernels into CUDA graphs, and a custom call
 ends a graph. On a Hopper GPU two more chains call a Pallas Mosaic-GPU kernel (an elementwise update
 of the same array) instead: the custom call the verified flash attention and the fused GEMM run
 through (``mosaic_gpu_v2``). On 2026-12-04 the protected step with the fused forward GEMM (28 such
-calls per step more, no more kernel time: 107.2 against 106.4 ms) took ~5 ms longer than without it.
+calls per step more; kernels 107.2 and 111.5 ms per step in two profiles, against 106.4-107.7
+without) took ~5 ms longer than without it.
 
 ``kernels`` are counted in a profiler trace of one call where there is a device timeline (on a CPU,
 by construction: one per update and per native call); a native gate call is one kernel after a
