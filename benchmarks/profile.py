@@ -231,6 +231,27 @@ class StepIdle(typing.NamedTuple):
     between_busy_us: float = float("nan")
 
 
+def _sweep(
+    intervals: list[tuple[float, float, str]],
+    gaps: collections.Counter | None = None,
+    count: collections.Counter | None = None,
+) -> tuple[float, float, float]:
+    """(first start, last end, union length) of (start, end, name) intervals, which may overlap;
+    each gap between them added to ``gaps``/``count`` under (the event that ended last before it,
+    the one after it), where given."""
+    iv = sorted(intervals)
+    first, end, last = iv[0]
+    covered = end - first
+    for t0, t1, name in iv[1:]:
+        if t0 > end and gaps is not None and count is not None:
+            gaps[last, name] += t0 - end
+            count[last, name] += 1
+        if t1 > end:
+            covered += t1 - max(t0, end)
+            end, last = t1, name
+    return first, end, covered
+
+
 def _step_idle(
     trace_dir: pathlib.Path, module: str = "jit_step_fn", skip_first: bool = True
 ) -> StepIdle | None:
@@ -279,38 +300,23 @@ def _step_idle(
             else:
                 others.append(iv)
     keep = sorted(per_run)[1:] if skip_first and len(per_run) > 1 else sorted(per_run)
+    if not keep:
+        return None
     spans, busy, idle = [], [], []
     gaps, count = collections.Counter(), collections.Counter()
     for i in keep:
-        iv = sorted(per_run[i])
-        first, (_, end, last) = iv[0][0], iv[0]
-        covered = end - first
-        for t0, t1, name in iv[1:]:
-            if t0 > end:
-                gaps[last, name] += t0 - end
-                count[last, name] += 1
-            if t1 > end:
-                covered += t1 - max(t0, end)
-                end, last = t1, name
+        first, end, covered = _sweep(per_run[i], gaps, count)
         spans.append(end - first)
         busy.append(covered)
         idle.append(end - first - covered)
-    if not keep:
-        return None
     between, between_busy = [], []
     for i, j in itertools.pairwise(keep):
         if j != i + 1:
             continue
         lo, hi = max(t1 for _, t1, _ in per_run[i]), min(t0 for t0, _, _ in per_run[j])
-        # The union of the other events' parts inside (lo, hi).
-        cut = sorted((max(t0, lo), min(t1, hi)) for t0, t1, _ in others if t1 > lo and t0 < hi)
-        covered, end = 0.0, lo
-        for t0, t1 in cut:
-            if t1 > end:
-                covered += t1 - max(t0, end)
-                end = t1
+        cut = [(max(t0, lo), min(t1, hi), n) for t0, t1, n in others if t1 > lo and t0 < hi]
         between.append(max(hi - lo, 0.0))
-        between_busy.append(covered)
+        between_busy.append(_sweep(cut)[2] if cut else 0.0)
     n = len(keep)
     med = lambda v: float(np.median(v)) if v else float("nan")
     return StepIdle(
@@ -513,7 +519,7 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
         kernels.append(
             dict(kernel=name, ms_per_step=si["idle_ms"], share=share, count_per_step=si["gap_count"])
         )
-        if math.isfinite(si.get("between_ms", math.nan)):  # files from 0bbb3cb on lack these two
+        if math.isfinite(si["between_ms"]):  # NaN with fewer than two executions kept
             between = "(device time between two executions of the step program: median)"
             kernels.append(dict(kernel=between, ms_per_step=si["between_ms"]))
             busy = "(of it, with another program's kernel or copy running)"
@@ -712,7 +718,7 @@ def main() -> None:
         )
         for r in si["gaps"]:
             print(f"  {r['ms']:10.3f} ms  {r['count']:6.1f}  {r['before'][:50]}  ->  {r['after'][:50]}")
-        if math.isfinite(si.get("between_ms", math.nan)):
+        if math.isfinite(si["between_ms"]):
             print(
                 f"between two executions (median): {si['between_ms']:.2f} ms of device time, "
                 f"{si['between_busy_ms']:.2f} ms of it with another program's kernel or copy running"

@@ -68,8 +68,9 @@ __all__ = [
 REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(FaultReport))  # no arrays at import
 
 # The name (``jax.ad_checkpoint.checkpoint_name``) of the checksum columns of wᵀ that a protected
-# GEMM encodes in its forward pass, with w's own, for its backward's dx check: a rematerialisation
-# policy that saves it (``save_only_these_names``) keeps the backward from encoding w again.
+# GEMM being differentiated encodes in its forward pass, with w's own, for its backward's dx
+# check: a rematerialisation policy that saves it (``save_only_these_names``) keeps the backward
+# from encoding w again.
 TRANSPOSED_CHECKSUMS = "pimlayers.transposed_checksums"
 
 
@@ -423,20 +424,28 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
     return out, gated, still, jnp.sum(redone, dtype=jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _pmm(a, bs, encs, encs_t, faults, tap, policy, precision, impl, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _pmm(a, bs, encs, faults, tap, policy, precision, impl, out_dtype):
     """``a @ b`` for every weight b of ``bs`` (one operand, checks shared: :func:`_checked_gemms`),
-    with ``encs``, ``encs_t`` (None, or the checksums of bᵀ for the backward's dx check, encoded
-    with b's: ``abft_encode_pair``) and ``faults`` (None or a (forward, dx, dw) triple of
+    with ``encs`` (None entries: encoded here) and ``faults`` (None or a (forward, dx, dw) triple of
     GemmFaults) per weight."""
-    del tap, encs_t
-    fwd_faults = tuple(None if f is None else f[0] for f in faults)
-    return _checked_gemms(a, bs, encs, policy, fwd_faults, precision, impl, out_dtype)
+    del tap
+    return _forward(a, bs, encs, faults, policy, precision, impl, out_dtype, with_transposes=False)[0]
 
 
-def _pmm_fwd(a, bs, encs, encs_t, faults, tap, policy, precision, impl, out_dtype):
-    out = _pmm(a, bs, encs, encs_t, faults, tap, policy, precision, impl, out_dtype)
+def _pmm_fwd(a, bs, encs, faults, tap, policy, precision, impl, out_dtype):
+    # Differentiated (this rule runs only then), weights encoded here get their transposes'
+    # checksums too, for the backward's dx check: on a GPU from the same read of w.
+    del tap
+    out, encs_t = _forward(a, bs, encs, faults, policy, precision, impl, out_dtype, with_transposes=True)
     return out, (a, bs, encs, encs_t, faults)
+
+
+def _forward(a, bs, encs, faults, policy, precision, impl, out_dtype, with_transposes: bool):
+    """The checked forward products (and, per weight, wᵀ's checksums or None: :func:`_encodes`)."""
+    fwd_faults = tuple(None if f is None else f[0] for f in faults)
+    filled, encs_t = _encodes(bs, encs, policy, with_transposes)
+    return _checked_gemms(a, bs, filled, policy, fwd_faults, precision, impl, out_dtype), encs_t
 
 
 def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
@@ -471,9 +480,9 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     dw_policy = policy.replace(lam=policy.lam_dw)
     dy_encs = [_encode(dy, policy) for dy in dys]
     db, r_db = _checked_gemms(aa, dys, dy_encs, dw_policy, f_db, precision, impl, bs[0].dtype, "dw", a_t=True)
-    zeros_enc, zeros_enc_t = jax.tree.map(jnp.zeros_like, (encs, encs_t))
+    zeros_enc = jax.tree.map(jnp.zeros_like, encs)
     no_faults = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
-    return da, db, zeros_enc, zeros_enc_t, no_faults, _to_tap(r_da + r_db)
+    return da, db, zeros_enc, no_faults, _to_tap(r_da + r_db)
 
 
 _pmm.defvjp(_pmm_fwd, _pmm_bwd)
@@ -571,8 +580,9 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
     prepared = [_prepare(policy, out_dtype, precision, f, tap) for f in faults]
     policy, precision, _, tap = prepared[0]
     faults = tuple(p[2] for p in prepared)
-    encs, encs_t = _encodes(ws, encs, policy)
     for w, enc in zip(ws, encs, strict=True):
+        if enc is None:  # encoded inside (with wᵀ's where the product is differentiated)
+            continue
         n = w.shape[1]
         nb = 0 if n == 0 else -(-n // (n if policy.block_n is None else policy.block_n))
         if enc.sums.shape != (k, nb, 2) or enc.abs_sums.shape != (k, nb):
@@ -582,11 +592,9 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
                 f"abft_encode(w, block_n={policy.block_n})"
             )
     with jax.named_scope(f"pimlayers.{op}"):
-        lift = lambda e: None if e is None else WeightChecksums(e.sums[None], e.abs_sums[None])
-        encs1, encs_t1 = tuple(map(lift, encs)), tuple(map(lift, encs_t))
+        encs1 = tuple(None if e is None else WeightChecksums(e.sums[None], e.abs_sums[None]) for e in encs)
         ws1 = tuple(w[None] for w in ws)
-        x1 = x.reshape(1, -1, k)
-        ys, report = _pmm(x1, ws1, encs1, encs_t1, faults, tap, policy, precision, impl, out_dtype)
+        ys, report = _pmm(x.reshape(1, -1, k), ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
     return tuple(y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)), report
 
 
@@ -625,8 +633,7 @@ def protected_bmm(
     a3, b3 = a.reshape(g, r, k), b.reshape(g, k, n)
     with jax.named_scope("pimlayers.protected_bmm"):
         enc = _encode(b3, policy)
-        out = jnp.dtype(out_dtype)
-        (y,), report = _pmm(a3, (b3,), (enc,), (None,), (faults,), tap, policy, precision, impl, out)
+        (y,), report = _pmm(a3, (b3,), (enc,), (faults,), tap, policy, precision, impl, jnp.dtype(out_dtype))
     return y.reshape(*lead, r, n), report
 
 
@@ -660,23 +667,25 @@ def protected_bmm_grads(
     g = int(np.prod(lead, dtype=np.int64))
     res = (a.reshape(g, r, k), (b.reshape(g, k, n),), (None,), (None,), (faults,))
     with jax.named_scope("pimlayers.protected_bmm_grads"):
-        da, (db,), _, _, _, tap = _pmm_bwd(policy, precision, impl, None, res, ((dy.reshape(g, r, n),), None))
+        da, (db,), _, _, tap = _pmm_bwd(policy, precision, impl, None, res, ((dy.reshape(g, r, n),), None))
     return da.reshape(a.shape), db.reshape(b.shape), report_from_tap(tap)
 
 
-def _encodes(ws, encs, policy: FaultPolicy):
-    """The checksum columns of each weight (given ones kept) and, where this encodes them, those of
-    its transpose for the backward's dx check (``abft_encode_pair``: on a GPU one read of w for
-    both, where the backward would read it again), named ``TRANSPOSED_CHECKSUMS`` so a
-    rematerialisation policy can keep them. Given checksums leave wᵀ's to the backward (None)."""
+def _encodes(bs, encs, policy: FaultPolicy, with_transposes: bool):
+    """The checksum columns of each (G, K, N) weight (given ones kept) and, ``with_transposes``,
+    where this encodes them, those of its transpose for the backward's dx check
+    (``abft_encode_pair``: on a GPU one read of w for both, where the backward would read it again),
+    named ``TRANSPOSED_CHECKSUMS`` so a rematerialisation policy can keep them; None elsewhere (the
+    backward encodes wᵀ itself). Only a differentiated product asks for them: a forward pass alone
+    would pay the pair's second set of sums for nothing."""
     out, out_t = [], []
-    for w, e in zip(ws, encs, strict=True):
+    for b, e in zip(bs, encs, strict=True):
         et = None
-        if e is None and policy.enabled:
-            e, et = abft_encode_pair(w, policy.block_n)
+        if e is None and with_transposes and policy.enabled:
+            e, et = abft_encode_pair(b, policy.block_n)
             et = jax.tree.map(lambda v: checkpoint_name(v, TRANSPOSED_CHECKSUMS), et)
         elif e is None:
-            e = abft_encode(w, policy.block_n)
+            e = _encode(b, policy)
         out.append(e)
         out_t.append(et)
     return tuple(out), tuple(out_t)
