@@ -508,8 +508,9 @@ def summarize(
 
 def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
     """The summary's tables as results rows, by suite: the top kernels (with the op each came from,
-    where the HLO was dumped) and, with ``--hlo-dump``, all kernels grouped by op; each led by the
-    total of all device kernels per step."""
+    where the HLO was dumped) and, with ``--hlo-dump``, all kernels grouped by op, each led by the
+    total of all device kernels per step; where the idle inside the step's program was measured, its
+    largest gaps (``profile-gaps``: ms and count per execution, the kernels before and after)."""
     total = {"ms_per_step": summary["total_ms"], "share": 1.0}
     kernels = [{"kernel": "(all device kernels)", **total, "count_per_step": summary["events"]}]
     if "step_idle" in summary:  # inside the step's program, measured per execution (_step_idle)
@@ -535,6 +536,13 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
             {"op": r["name"], "ms_per_step": r["ms"], "share": r["share"], "count_per_step": r["count"]}
             for r in summary["sources"]
         ]
+    gaps = summary.get("step_idle", {}).get("gaps")
+    if gaps:  # where the step program's idle lies: its largest gaps, named by the kernels around them
+        tables["profile-gaps"] = [
+            {"before": g["before"][:60], "after": g["after"][:60], "ms_per_execution": g["ms"],
+             "count_per_execution": g["count"]}
+            for g in gaps
+        ]  # fmt: skip
     return tables
 
 

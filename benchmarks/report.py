@@ -130,7 +130,9 @@ first; each kernel assigned to the execution whose host launch it came from), wi
 gaps: the span of an execution less its kernels' union. Time between executions (the training
 loop's own work, its reads of the step's counters) is not in it; newer files give it in two more
 rows: the device time from one execution's last kernel to the next one's first (median over pairs
-of consecutive executions) and how much of it other programs' kernels and copies covered.
+of consecutive executions) and how much of it other programs' kernels and copies covered. With
+`--save`, newer runs also write `profile-gaps`: the largest of those gaps inside the step's program,
+each named by the kernels that ended before it and started after it, in ms and gaps per execution.
 
 Reading the finish table: `python -m benchmarks.run --suite finish` times `abft_finish` alone (in
 place, carried through a jitted loop as the training step runs it) at every product a Llama-3-8B

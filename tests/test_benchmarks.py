@@ -734,3 +734,29 @@ def test_profile_step_idle_is_measured_inside_each_execution_of_the_step(tmp_pat
     # start (2100), 3 µs of it the other program's kernel.
     assert si.between_us == 970.0 and si.between_busy_us == 3.0
     assert profile._step_idle(tmp_path / "t", module="jit_missing") is None
+
+
+def test_profile_saves_the_step_programs_largest_gaps():
+    """--save writes the in-step gaps (the printed table's tail is what a long run's output loses)."""
+    from benchmarks import profile
+
+    gaps = [
+        dict(before="a", after="b", ms=0.5, count=2.0),
+        dict(before="MemcpyD2H", after="c" * 80, ms=0.25, count=1.0),
+    ]
+    idle = dict(
+        runs=2, span_ms=10.0, busy_ms=9.0, idle_ms=1.0, gap_count=3, between_ms=0.1, between_busy_ms=0.0
+    )
+    s = dict(total_ms=10.0, events=5, kernels=[], step_idle=dict(idle, gaps=gaps))
+    tables = profile.result_tables(s, protect=True)
+    assert sorted(tables) == ["profile-gaps", "profile-protect"]
+    assert tables["profile-gaps"] == [
+        {"before": "a", "after": "b", "ms_per_execution": 0.5, "count_per_execution": 2.0},
+        {"before": "MemcpyD2H", "after": "c" * 60, "ms_per_execution": 0.25, "count_per_execution": 1.0},
+    ]
+    assert [r["kernel"] for r in tables["profile-protect"]][1:3] == [
+        "(device idle inside the step program: median of 2 executions)",
+        "(device time between two executions of the step program: median)",
+    ]
+    s["step_idle"]["gaps"] = []
+    assert "profile-gaps" not in profile.result_tables(s, protect=True)
