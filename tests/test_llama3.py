@@ -252,6 +252,19 @@ def test_remat_saving_gemm_outputs_recomputes_no_gemm():
         Llama3(cfg, remat="dots", rngs=nnx.Rngs(0))
 
 
+def test_gemms_policy_keeps_cudnn_attention_forward_outputs():
+    # jax names none of cuDNN attention's residuals: "gemms" keeps them by their primitive (the GPU
+    # test, tests/test_gpu_remat.py, counts the forward kernels in the gradient), and nothing else.
+    from jax.extend.core import Primitive
+
+    from models.llama3 import REMAT_POLICIES
+
+    keep = REMAT_POLICIES["gemms"]
+    assert keep(Primitive("dot_product_attention_fwd_wrapper")) is True
+    for other in ("dot_product_attention_bwd_wrapper", "dot_general", "exp", "custom_vjp_call"):
+        assert keep(Primitive(other)) is False
+
+
 def test_remat_saving_gemms_and_flash_residuals_recomputes_nothing_the_flash_step_multiplies():
     # The protected step's attention on the GPU is the verified flash kernel (here its XLA
     # references through the same custom VJP): "gemms" also keeps its output and logsumexp
