@@ -208,6 +208,42 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     return rows
 
 
+ENCODE_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024))  # a Llama-3-8B layer's weights
+
+
+def encodes(shapes=ENCODE_SHAPES, dtype=jnp.bfloat16, weights: int = 12) -> list[dict]:
+    """The weight encodes' rates (128-column blocks): per shape and kernel, ms per weight and TB/s of
+    w read, each timed over ``weights`` distinct weights in one jitted call (one weight per call, as
+    ``matmul-parts`` times it, measures the host's dispatch at the smaller shapes). Kernels: the
+    native pair (``abft_encode_pair``, one read for w's sums and wᵀ's; a GPU's, where the shape
+    tiles), the native rows and transposed encodes (``abft_encode``, where the platform has them),
+    and XLA's column sum of w in f32 (a read of the same bytes). Each native encode is checked
+    against the pure-JAX reference on the first weight before it is timed."""
+    rows = []
+    plain, pair = _native_encode(), _native_encode("pimlayers_abft_encode_pair")
+    for k, n in shapes:
+        ws = [jax.random.normal(jax.random.key(i), (k, n), jnp.float32).astype(dtype) for i in range(weights)]
+        fns = {"xla_column_sum": lambda v: jnp.sum(v.astype(jnp.float32), axis=0)}
+        if pair and pair_applies((k, n), 128):
+            fns["pair_native"] = lambda v: ops.abft_encode_pair(v, 128, impl="native")
+        if plain:
+            fns["rows_native"] = lambda v: ops.abft_encode(v, 128, impl="native")
+            fns["transposed_native"] = lambda v: ops.abft_encode(v, 128, transposed=True, impl="native")
+        want = [ops.abft_encode(ws[0], 128, transposed=t, impl="reference") for t in (False, True)]
+        for name, f in fns.items():
+            if name != "xla_column_sum":
+                got = jax.jit(f)(ws[0])
+                got = got if name == "pair_native" else (got, None) if name == "rows_native" else (None, got)
+                for t, (g, width) in enumerate(((got[0], min(128, n)), (got[1], min(128, k)))):
+                    if g is not None:
+                        _same_encode(f"{name} {k}x{n} ({'transposed' if t else 'plain'})", want[t], g, width)
+            t = time_fn(jax.jit(lambda vs, f=f: [f(v) for v in vs]), ws, iters=10) / weights
+            nbytes = k * n * jnp.dtype(dtype).itemsize
+            rows.append(dict(shape=f"{k}x{n}", dtype=jnp.dtype(dtype).name, kernel=name, weights=weights,
+                             ms_per_weight=t * 1e3, tb_s=nbytes / t / 1e12))  # fmt: skip
+    return rows
+
+
 def _pair(block_n):
     """``encode_pair_native``: abft_encode_pair with impl="native", on the weight passed at timing."""
     return jax.jit(lambda ww: ops.abft_encode_pair(ww, block_n, impl="native"))

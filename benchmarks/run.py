@@ -12,6 +12,7 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
+python -m benchmarks.run --suite encode                  # the weight encodes' rates (pair, rows, transposed)
 python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
 python -m benchmarks.run --suite bounds                  # the verified flash attention's XLA-side bounds
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
@@ -41,6 +42,7 @@ def main() -> None:
         "ops",
         "matmul",
         "matmul-parts",
+        "encode",
         "finish",
         "bounds",
         "abft",
@@ -112,6 +114,7 @@ def main() -> None:
     for name, run in (
         ("matmul", lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
+        ("encode", lambda: matmul.encodes(dtype=dtype)),
         ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
         ("bounds", bounds.run),
         ("abft", abft_campaign.run),

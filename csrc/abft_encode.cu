@@ -79,6 +79,14 @@ struct Pack {
   }
 };
 
+// One value's terms of a block's three sums: s1 += x, s2 += pos * x (one fmaf: the product is never
+// rounded on its own), sa += |x|.
+__device__ __forceinline__ void AddTerms(float x, float pos, float& s1, float& s2, float& sa) {
+  s1 += x;
+  s2 = fmaf(pos, x, s2);
+  sa += fabsf(x);
+}
+
 struct EncodeArgs {
   const void* w;
   float* sums;      // (G, K, nb, 2): (s1, s2) pairs
@@ -126,10 +134,7 @@ __global__ void __launch_bounds__(kThreads)
             const float pos = static_cast<float>(v * kVec + 1);  // j + 1 of the pack's value 0
 #pragma unroll
             for (int j = 0; j < kVec; ++j) {
-              const float x = p[u].At(j);
-              a1 += x;
-              a2 = fmaf(pos + static_cast<float>(j), x, a2);
-              aa += fabsf(x);
+              AddTerms(p[u].At(j), pos + static_cast<float>(j), a1, a2, aa);
             }
           }
         }
@@ -202,10 +207,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
             const float pos = pos0 + static_cast<float>(q * slots);
 #pragma unroll
             for (int j = 0; j < kVec; ++j) {
-              const float x = p[q].At(j);
-              s1[j] += x;
-              s2[j] = fmaf(pos, x, s2[j]);
-              sa[j] += fabsf(x);
+              AddTerms(p[q].At(j), pos, s1[j], s2[j], sa[j]);
             }
           }
         }
@@ -301,12 +303,8 @@ __global__ void __launch_bounds__(kThreads, 3) AbftEncodePairKernel(PairArgs a) 
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const float x = q[i].At(j);
-        a1 += x;
-        a2 = fmaf(cpos + static_cast<float>(j), x, a2);
-        aa += fabsf(x);
-        s1[j] += x;
-        s2[j] = fmaf(rpos, x, s2[j]);
-        sa[j] += fabsf(x);
+        AddTerms(x, cpos + static_cast<float>(j), a1, a2, aa);  // its row's
+        AddTerms(x, rpos, s1[j], s2[j], sa[j]);                 // its column's
       }
       // The row's packs are kPacks adjacent lanes (an aligned group): a tree over them.
 #pragma unroll

@@ -539,6 +539,25 @@ def test_matmul_parts_times_every_stage_after_checking_the_two_transposed_encode
     assert (row["encode_pair_native_ms"] > 0) if pair else row["encode_pair_native_ms"] is None
 
 
+def test_encode_suite_times_each_kernel_per_weight_after_checking_it():
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+
+    rows = matmul.encodes(shapes=((256, 384), (128, 100)), dtype=jnp.bfloat16, weights=2)
+    kernels = {}
+    for r in rows:
+        kernels.setdefault(r["shape"], []).append(r["kernel"])
+    natives = ["rows_native", "transposed_native"] if matmul._native_encode() else []
+    pair = matmul._native_encode("pimlayers_abft_encode_pair")  # a GPU's, only where the shape tiles
+    assert kernels["256x384"] == ["xla_column_sum", *(["pair_native"] if pair else []), *natives]
+    assert kernels["128x100"] == ["xla_column_sum", *natives]
+    for r in rows:
+        assert r["ms_per_weight"] > 0 and r["weights"] == 2
+        k, n = map(int, r["shape"].split("x"))
+        assert r["tb_s"] == pytest.approx(k * n * 2 / (r["ms_per_weight"] * 1e-3) / 1e12)
+
+
 def test_matmul_parts_refuses_native_encodes_that_differ_from_the_reference():
     import jax
     import jax.numpy as jnp
