@@ -244,13 +244,12 @@ void RunCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, int64_t r0
           StoreF(io.out, j0 + j, GateCast(LoadF(io.y, j0 + j, KI), KO, g, &dropped), KO);
         }
       }
-      const int64_t cb = r * io.nb + b;
-      const float c1 = io.checks[2 * cb];
+      const int64_t cb = r * io.nb + b, ci = CheckIndex(io, cb);
+      const float c1 = io.checks[2 * ci], c2 = io.checks[2 * ci + 1], m = io.mag[ci];
       auto load = [&](int64_t j) { return static_cast<double>(LoadF(io.y, j0 + j, KI)); };
-      AbftDecision d = AbftDecide(s.s1, s.s2, s.sa, s.nonfinite, s.nf_loc, c1,
-                                  io.checks[2 * cb + 1], io.mag[cb], n, p, load);
+      AbftDecision d = AbftDecide(s.s1, s.s2, s.sa, s.nonfinite, s.nf_loc, c1, c2, m, n, p, load);
       if (d.flag == kAbftCorrected) {
-        const AbftFix fix = AbftRebuild(load, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p);
+        const AbftFix fix = AbftRebuild(load, n, d.loc, c1, c2, m, p);
         if (fix.ok) {
           const GateSpec& gs = write_all ? g : no_gate;  // in place: gated below
           int before = 0;
@@ -428,7 +427,9 @@ ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer c
             rows,
             n_all,
             block_n,
-            nb};
+            nb,
+            nb,
+            0};
   RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{false, 0, 0},
              &pool);
   return ffi::Error::Success();
@@ -436,13 +437,13 @@ ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer c
 
 ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer checks,
                          ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
-                         bool correct, bool gate, float fill, float limit,
+                         bool correct, bool gate, float fill, float limit, int64_t block_offset,
                          ffi::Result<ffi::AnyBuffer> y_out, ffi::Result<ffi::AnyBuffer> flags,
                          ffi::Result<ffi::AnyBuffer> counts) {
   FloatKind kind, out_kind;
-  int64_t rows, n_all, nb;
+  int64_t rows, n_all, nb, ld;
   if (auto e = CheckAbftShapes(y, checks, mag, block_n, k, std::nullopt, *flags, &kind, &rows,
-                               &n_all, &nb);
+                               &n_all, &nb, block_offset, &ld);
       e.failure())
     return e;
   if (auto e = CheckFinishOutputs(y, *y_out, *counts, rows * nb, &out_kind); e.failure()) return e;
@@ -457,7 +458,9 @@ ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer 
             rows,
             n_all,
             block_n,
-            nb};
+            nb,
+            ld,
+            block_offset};
   RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{gate, fill, limit},
              &pool);
   return ffi::Error::Success();
@@ -482,21 +485,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftCheckCpu, pimlayers::AbftCheckCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCpu, pimlayers::AbftFinishCpu,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()   // XLA's intra-op threads
-                                  .Arg<xla::ffi::AnyBuffer>()    // y: (..., M, N) f32|bf16|f16
-                                  .Arg<xla::ffi::AnyBuffer>()    // checks: (..., M, nb, 2) f32
-                                  .Arg<xla::ffi::AnyBuffer>()    // mag: (..., M, nb) f32
-                                  .Attr<int64_t>("block_n")      // column block width
-                                  .Attr<int64_t>("k")            // GEMM inner dimension
-                                  .Attr<float>("unit_roundoff")  // u of the accumulation
-                                  .Attr<float>("lam")            // safety factor of the bound
-                                  .Attr<bool>("correct")         // rebuild located errors
-                                  .Attr<bool>("gate")            // insulation gate on the output
-                                  .Attr<float>("fill")           // what the gate writes
-                                  .Attr<float>("limit")          // |y| > limit is gated too
-                                  .Ret<xla::ffi::AnyBuffer>()    // y_out: (..., M, N) out dtype
-                                  .Ret<xla::ffi::AnyBuffer>()    // flags: (..., M, nb) int32
-                                  .Ret<xla::ffi::AnyBuffer>());  // counts: (..., M, nb) int32
+                                  .Ctx<xla::ffi::ThreadPool>()    // XLA's intra-op threads
+                                  .Arg<xla::ffi::AnyBuffer>()     // y: (..., M, N) f32|bf16|f16
+                                  .Arg<xla::ffi::AnyBuffer>()     // checks: (..., M, nb, 2) f32
+                                  .Arg<xla::ffi::AnyBuffer>()     // mag: (..., M, nb) f32
+                                  .Attr<int64_t>("block_n")       // column block width
+                                  .Attr<int64_t>("k")             // GEMM inner dimension
+                                  .Attr<float>("unit_roundoff")   // u of the accumulation
+                                  .Attr<float>("lam")             // safety factor of the bound
+                                  .Attr<bool>("correct")          // rebuild located errors
+                                  .Attr<bool>("gate")             // insulation gate on the output
+                                  .Attr<float>("fill")            // what the gate writes
+                                  .Attr<float>("limit")           // |y| > limit is gated too
+                                  .Attr<int64_t>("block_offset")  // y's first block in checks
+                                  .Ret<xla::ffi::AnyBuffer>()     // y_out: (..., M, N) out dtype
+                                  .Ret<xla::ffi::AnyBuffer>()     // flags: (..., M, nb) int32
+                                  .Ret<xla::ffi::AnyBuffer>());   // counts: (..., M, nb) int32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftEncodeCpu, pimlayers::AbftEncodeCpu,
                               xla::ffi::Ffi::Bind()

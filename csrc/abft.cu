@@ -97,14 +97,13 @@ __global__ void AbftWarpKernel(AbftIo io, AbftParams p, GateSpec g, bool write_a
     dropped = static_cast<int>(WarpSum(static_cast<int64_t>(dropped)));
     int32_t flag = kAbftClean;
     if (lane == 0) {
-      const float c1 = io.checks[2 * w];
-      AbftDecision d =
-          AbftDecide(s1, s2, sa, nonfinite, nf_loc, c1, io.checks[2 * w + 1], io.mag[w], n, p,
-                     [&](int64_t j) { return LoadF(io.y, j0 + j, io.in_kind); });
+      const int64_t ci = CheckIndex(io, w);
+      const float c1 = io.checks[2 * ci], c2 = io.checks[2 * ci + 1], m = io.mag[ci];
+      AbftDecision d = AbftDecide(s1, s2, sa, nonfinite, nf_loc, c1, c2, m, n, p,
+                                  [&](int64_t j) { return LoadF(io.y, j0 + j, io.in_kind); });
       flag = d.flag;
       if (d.flag == kAbftCorrected) {
-        dropped += CorrectOne(io, j0, n, d.loc, c1, io.checks[2 * w + 1], io.mag[w], p, g,
-                              write_all, &flag);
+        dropped += CorrectOne(io, j0, n, d.loc, c1, c2, m, p, g, write_all, &flag);
       }
     }
     flag = __shfl_sync(0xffffffffu, flag, 0);
@@ -265,13 +264,12 @@ __device__ __noinline__ void DecideBlock(const AbftIo& io, const AbftParams& p, 
     if (t[q].loc >= 0) loc = static_cast<int>(128 * q) + t[q].loc;
     dropped += t[q].dropped;
   }
-  const int64_t cb = r * io.nb + b;
-  const float c1 = io.checks[2 * cb];
-  AbftDecision d = AbftDecide(s1, s2, sa, nf, loc, c1, io.checks[2 * cb + 1], io.mag[cb], n, p,
+  const int64_t cb = r * io.nb + b, ci = CheckIndex(io, cb);
+  const float c1 = io.checks[2 * ci], c2 = io.checks[2 * ci + 1], m = io.mag[ci];
+  AbftDecision d = AbftDecide(s1, s2, sa, nf, loc, c1, c2, m, n, p,
                               [&](int64_t j) { return LoadF(io.y, j0 + j, io.in_kind); });
   if (d.flag == kAbftCorrected) {
-    dropped += CorrectOne(io, j0, n, d.loc, c1, io.checks[2 * cb + 1], io.mag[cb], p, g, write_all,
-                          &d.flag);
+    dropped += CorrectOne(io, j0, n, d.loc, c1, c2, m, p, g, write_all, &d.flag);
   }
   if (!write_all && g.on && (dropped > 0 || d.flag == kAbftCorrected)) {
     dropped = GateBlock(io, j0, n, g, 0, 1);  // rare: one thread, one block
@@ -420,8 +418,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
       if (t < tiles) {
         raw[u] = LoadRaw16<kValueBytes<T>>(io.y, t * 128 + glane * 16);
         if (glane == 0) {
-          c[u] = __ldg(reinterpret_cast<const float2*>(io.checks) + t);
-          mag[u] = __ldg(io.mag + t);
+          const int64_t ci = CheckIndex(io, t);
+          c[u] = __ldg(reinterpret_cast<const float2*>(io.checks) + ci);
+          mag[u] = __ldg(io.mag + ci);
         }
       }
     }
@@ -577,20 +576,22 @@ ffi::Error AbftCheckCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer c
             rows,
             n_all,
             block_n,
-            nb};
+            nb,
+            nb,
+            0};
   return RunAbftCuda(stream, io, AbftParams{k, u, lam, StorageRoundoff(kind), correct},
                      GateSpec{false, 0, 0});
 }
 
 ffi::Error AbftFinishCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer checks,
                           ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
-                          bool correct, bool gate, float fill, float limit,
+                          bool correct, bool gate, float fill, float limit, int64_t block_offset,
                           ffi::Result<ffi::AnyBuffer> y_out, ffi::Result<ffi::AnyBuffer> flags,
                           ffi::Result<ffi::AnyBuffer> counts) {
   FloatKind kind, out_kind;
-  int64_t rows, n_all, nb;
+  int64_t rows, n_all, nb, ld;
   if (auto e = CheckAbftShapes(y, checks, mag, block_n, k, std::nullopt, *flags, &kind, &rows,
-                               &n_all, &nb);
+                               &n_all, &nb, block_offset, &ld);
       e.failure())
     return e;
   if (auto e = CheckFinishOutputs(y, *y_out, *counts, rows * nb, &out_kind); e.failure()) return e;
@@ -606,7 +607,9 @@ ffi::Error AbftFinishCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer 
             rows,
             n_all,
             block_n,
-            nb};
+            nb,
+            ld,
+            block_offset};
   return RunAbftCuda(stream, io, AbftParams{k, u, lam, StorageRoundoff(kind), correct},
                      GateSpec{gate, fill, limit});
 }
@@ -631,17 +634,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftCheckCuda, pimlayers::AbftCheckCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCuda, pimlayers::AbftFinishCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()    // y: (..., M, N) f32|bf16|f16
-                                  .Arg<xla::ffi::AnyBuffer>()    // checks: (..., M, nb, 2) f32
-                                  .Arg<xla::ffi::AnyBuffer>()    // mag: (..., M, nb) f32
-                                  .Attr<int64_t>("block_n")      // column block width
-                                  .Attr<int64_t>("k")            // GEMM inner dimension
-                                  .Attr<float>("unit_roundoff")  // u of the accumulation
-                                  .Attr<float>("lam")            // safety factor of the bound
-                                  .Attr<bool>("correct")         // rebuild located errors
-                                  .Attr<bool>("gate")            // insulation gate on the output
-                                  .Attr<float>("fill")           // what the gate writes
-                                  .Attr<float>("limit")          // |y| > limit is gated too
-                                  .Ret<xla::ffi::AnyBuffer>()    // y_out: (..., M, N) out dtype
-                                  .Ret<xla::ffi::AnyBuffer>()    // flags: (..., M, nb) int32
-                                  .Ret<xla::ffi::AnyBuffer>());  // counts: (..., M, nb) int32
+                                  .Arg<xla::ffi::AnyBuffer>()     // y: (..., M, N) f32|bf16|f16
+                                  .Arg<xla::ffi::AnyBuffer>()     // checks: (..., M, B, 2) f32
+                                  .Arg<xla::ffi::AnyBuffer>()     // mag: (..., M, B) f32
+                                  .Attr<int64_t>("block_n")       // column block width
+                                  .Attr<int64_t>("k")             // GEMM inner dimension
+                                  .Attr<float>("unit_roundoff")   // u of the accumulation
+                                  .Attr<float>("lam")             // safety factor of the bound
+                                  .Attr<bool>("correct")          // rebuild located errors
+                                  .Attr<bool>("gate")             // insulation gate on the output
+                                  .Attr<float>("fill")            // what the gate writes
+                                  .Attr<float>("limit")           // |y| > limit is gated too
+                                  .Attr<int64_t>("block_offset")  // y's first block in checks
+                                  .Ret<xla::ffi::AnyBuffer>()     // y_out: (..., M, N) out dtype
+                                  .Ret<xla::ffi::AnyBuffer>()     // flags: (..., M, nb) int32
+                                  .Ret<xla::ffi::AnyBuffer>());   // counts: (..., M, nb) int32

@@ -163,13 +163,25 @@ struct AbftIo {
   int32_t* flags;
   int32_t* counts;
   int64_t rows, n_all, block_n, nb;
+  // checks and mag hold check_ld blocks per row, this product's from block check_off on (a check
+  // GEMM shared by several weights: their checks side by side, each product reading its own).
+  int64_t check_ld, check_off;
 };
 
-// Shape and dtype validation shared by the CPU and CUDA bindings.
+// Where block w (row w / nb, column block w % nb; flags' and counts' own index) of io's product
+// has its checks: index into mag, and half the index into checks.
+PL_HD int64_t CheckIndex(const AbftIo& io, int64_t w) {
+  if (io.check_ld == io.nb) return w + io.check_off;
+  return (w / io.nb) * io.check_ld + io.check_off + w % io.nb;
+}
+
+// Shape and dtype validation shared by the CPU and CUDA bindings. checks and mag hold *ld blocks
+// per row (at least block_offset + nb; abft_check: exactly nb, block_offset 0).
 inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer& checks,
                                   const ffi::AnyBuffer& mag, int64_t block_n, int64_t k,
                                   std::optional<ffi::AnyBuffer> y_out, const ffi::AnyBuffer& flags,
-                                  FloatKind* kind, int64_t* rows, int64_t* n, int64_t* nb) {
+                                  FloatKind* kind, int64_t* rows, int64_t* n, int64_t* nb,
+                                  int64_t block_offset = 0, int64_t* ld = nullptr) {
   const std::string op = y_out ? "abft_check" : "abft_finish";  // abft_finish passes no y_out
   if (!ToFloatKind(y.element_type(), kind)) {
     return BadArg(op, std::string("y has dtype ") + DtypeName(y.element_type()) +
@@ -184,15 +196,23 @@ inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer&
   *n = yd[yd.size() - 1];
   *nb = *n == 0 ? 0 : CeilDiv(*n, block_n);
   *rows = LeadingCount(yd, 1);
+  // The checks' blocks per row: from their shape where it has them, else (no rows) y's own.
+  auto cd = checks.dimensions();
+  const int64_t blocks = cd.size() >= 2 ? cd[cd.size() - 2] : -1;
   if (checks.element_type() != ffi::DataType::F32 || mag.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(checks.element_count()) != *rows * *nb * 2 ||
-      static_cast<int64_t>(mag.element_count()) != *rows * *nb) {
-    return BadArg(
-        op, "checks " + ShapeString(checks.dimensions()) + " / mag " +
-                ShapeString(mag.dimensions()) + " do not match y " + ShapeString(yd) +
-                " with block_n=" + std::to_string(block_n) +
-                "; expected float32 (..., M, nb, 2) and (..., M, nb), nb = " + std::to_string(*nb));
+      cd.size() < 2 || cd[cd.size() - 1] != 2 || block_offset < 0 || blocks < *nb + block_offset ||
+      (ld == nullptr && blocks != *nb) ||
+      static_cast<int64_t>(checks.element_count()) != *rows * blocks * 2 ||
+      static_cast<int64_t>(mag.element_count()) != *rows * blocks) {
+    return BadArg(op, "checks " + ShapeString(cd) + " / mag " + ShapeString(mag.dimensions()) +
+                          " do not match y " + ShapeString(yd) +
+                          " with block_n=" + std::to_string(block_n) +
+                          " and block_offset=" + std::to_string(block_offset) +
+                          "; expected float32 (..., M, B, 2) and (..., M, B) with B >= " +
+                          std::to_string(*nb + block_offset) + " (nb = " + std::to_string(*nb) +
+                          (ld == nullptr ? "; B = nb)" : ")"));
   }
+  if (ld != nullptr) *ld = blocks;
   // y_out is checked here for abft_check (in place); abft_finish checks its own
   // (CheckFinishOutputs).
   if (y_out &&

@@ -90,6 +90,16 @@ def handler_cases(gpu) -> list:
         (T.test_abft_encode, (gpu, jnp.float16, (3, 65, 300), True)),
         (T.test_abft_encode_native_refuses_bad_input, (gpu,)),
         *[(T.test_abft_encode_pair, (gpu, d, (3, 256, 384))) for d in (jnp.float32, jnp.bfloat16)],
+        # The finish at a block offset into a shared check GEMM's checks: tile, row, warp kernels.
+        *[
+            (T.test_abft_finish_block_offset, (gpu, d, o, n, b))
+            for d, o, n, b in (
+                (jnp.bfloat16, jnp.bfloat16, 1280, 128),
+                (jnp.float32, jnp.float32, 1024, 256),
+                (jnp.float32, jnp.bfloat16, 1024, 128),
+                (jnp.bfloat16, jnp.bfloat16, 200, 32),
+            )
+        ],
         # Last: on 2026-12-01 (H200, compute-sanitizer of CUDA 13) the tool itself segfaulted at the
         # first of these, under memcheck and racecheck, even with these kernels left uninstrumented.
         *[(T.test_bank_guard_and_verify_many, (gpu, 9, b, g)) for b, g in ((16, 3), (4096, 8), (4112, 11))],

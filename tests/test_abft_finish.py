@@ -158,14 +158,62 @@ def test_split_checks_match_the_f32_checks(block_n, jit):
     np.testing.assert_allclose(np.asarray(mag), np.asarray(mag_want), rtol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize(
+    ("dtype", "n", "block_n"), [(jnp.bfloat16, 384, 128), (jnp.float32, 300, 128), (jnp.float32, 70, 16)]
+)
+def test_block_offset_reads_the_products_blocks_of_wider_checks(impl, dtype, n, block_n):
+    """Checks of three products side by side (one shared check GEMM): the finish of the middle one
+    at its block offset is the finish with its own checks sliced out, faults and all."""
+    k = 64
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (2, 40, k), jnp.float32).astype(dtype)
+    ws = [
+        jax.random.normal(jax.random.fold_in(kw, i), (k, m), jnp.float32).astype(dtype)
+        for i, m in enumerate((96, n, 160))
+    ]
+    encs = [ops.abft_encode(w, block_n) for w in ws]
+    both = ops.WeightChecksums(
+        jnp.concatenate([e.sums for e in encs], axis=-2), jnp.concatenate([e.abs_sums for e in encs], axis=-1)
+    )
+    c, mag = ops.abft_checks(x, both)
+    off, nb = encs[0].abs_sums.shape[-1], encs[1].abs_sums.shape[-1]
+    y = jnp.matmul(x, ws[1], precision="highest", preferred_element_type=jnp.float32).astype(dtype)
+    y = y.at[0, 3, 5].set(1e4).at[1, 7, n - 1].set(jnp.nan).at[1, 8, 2].add(3.0)  # located, gated, small
+    kw_ = dict(k=k, block_n=block_n, impl=impl)
+    got = jax.jit(lambda v, cc, mm: ops.abft_finish(v, cc, mm, block_offset=off, **kw_))(y, c, mag)
+    want = jax.jit(
+        lambda v, cc, mm: ops.abft_finish(v, cc[..., off : off + nb, :], mm[..., off : off + nb], **kw_)
+    )(y, c, mag)
+    assert got[1].shape == want[1].shape == (2, 40, nb)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    flags = np.asarray(got[1])
+    assert flags[0, 3, 0] == ops.ABFT_CORRECTED and flags[1, 7, -1] != ops.ABFT_CLEAN
+    assert (flags != ops.ABFT_CLEAN).sum() == 3
+
+
 def test_bad_input():
     y, c, mag = jnp.zeros((2, 8)), jnp.zeros((2, 1, 2)), jnp.zeros((2, 1))
     with pytest.raises(ValueError, match=r"out_dtype=int32; expected float32, bfloat16 or float16"):
         ops.abft_finish(y, c, mag, k=1, out_dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"limit=-1.0; expected None or a number >= 0"):
         ops.abft_finish(y, c, mag, k=1, limit=-1.0)
-    with pytest.raises(ValueError, match=r"checks has float32 \(2, 2, 2\); expected float32 \(2, 1, 2\)"):
+    with pytest.raises(ValueError, match=r"checks has float32 \(2, 0, 2\); expected float32 \(2, 1, 2\)"):
+        ops.abft_finish(y, jnp.zeros((2, 0, 2)), mag, k=1)
+    # Wider checks (a shared check GEMM's) are taken, but mag must hold as many blocks.
+    with pytest.raises(ValueError, match=r"mag has float32 \(2, 1\); expected float32 \(2, 2\)"):
         ops.abft_finish(y, jnp.zeros((2, 2, 2)), mag, k=1)
+    with pytest.raises(
+        ValueError,
+        match=r"checks has float32 \(2, 2, 2\); expected float32 \(2, 3, 2\) .* "
+        r"block_offset=2",
+    ):
+        ops.abft_finish(y, jnp.zeros((2, 2, 2)), jnp.zeros((2, 2)), k=1, block_offset=2)
+    with pytest.raises(ValueError, match=r"block_offset=-1; expected an int >= 0"):
+        ops.abft_finish(y, c, mag, k=1, block_offset=-1)
+    with pytest.raises(ValueError, match=r"checks has float32 \(2, 2, 2\); expected float32 \(2, 1, 2\)"):
+        ops.abft_check(y, jnp.zeros((2, 2, 2)), mag, k=1)  # abft_check takes y's blocks alone
     with pytest.raises(TypeError, match=r"y has dtype int32"):
         ops.abft_finish(y.astype(jnp.int32), c, mag, k=1)
 

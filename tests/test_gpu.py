@@ -283,6 +283,47 @@ def test_abft_finish_tiles(gpu, dtype, limit, m, n, share):
     assert np.array_equal(np.isnan(a), np.isnan(b))
 
 
+# A shared check GEMM's checks (three products' side by side) read at a block offset, on each kernel:
+# the tile kernel (bf16 in place, 128 columns), the row kernel (256-column blocks; out of place)
+# and the warp kernel (ragged): the same outputs as with the product's own checks sliced out.
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype", "n", "block_n"),
+    [
+        (jnp.bfloat16, jnp.bfloat16, 1280, 128),
+        (jnp.float32, jnp.float32, 1024, 256),
+        (jnp.float32, jnp.bfloat16, 1024, 128),
+        (jnp.bfloat16, jnp.bfloat16, 200, 32),
+    ],
+)
+def test_abft_finish_block_offset(gpu, dtype, out_dtype, n, block_n):
+    # x and the weights in f32, the product cast to dtype after it is formed (as the tile test does):
+    # no bf16 GEMM, whose autotuning compute-sanitizer cannot run (tests/sanitize_gpu.py).
+    rng = np.random.default_rng(n)
+    m, k = 300, 64
+    x = _on(gpu, jnp.asarray(rng.standard_normal((m, k)), jnp.float32))
+    ws = [_on(gpu, jnp.asarray(rng.standard_normal((k, c)) / 8, jnp.float32)) for c in (384, n, 96)]
+    encs = [ops.abft_encode(w, block_n) for w in ws]
+    both = ops.WeightChecksums(
+        jnp.concatenate([e.sums for e in encs], axis=-2), jnp.concatenate([e.abs_sums for e in encs], axis=-1)
+    )
+    c, mag = ops.abft_checks(x, both)
+    off, nb = encs[0].abs_sums.shape[-1], encs[1].abs_sums.shape[-1]
+    y = np.array(jnp.matmul(x, ws[1], precision="highest"))
+    hit = rng.choice(m, 40, replace=False)
+    y[hit[:20], rng.integers(0, n, 20)] += 1e3  # located and rebuilt
+    y[hit[20:30], rng.integers(0, n, 10)] = np.nan
+    y[hit[30:], 0] = y[hit[30:], 1] = np.inf  # two in a block: detected, gated
+    y = _on(gpu, jnp.asarray(y).astype(dtype))
+    kw = dict(k=k, block_n=block_n, out_dtype=out_dtype, impl="native")
+    got = jax.jit(lambda a, cc, mm: ops.abft_finish(a, cc, mm, block_offset=off, **kw))(y, c, mag)
+    own = (c[:, off : off + nb], mag[:, off : off + nb])
+    want = jax.jit(lambda a, cc, mm: ops.abft_finish(a, cc, mm, **kw))(y, *own)
+    for a, b in zip(got, want, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    flags = np.asarray(got[1])
+    assert (flags == ops.ABFT_CORRECTED).sum() >= 15 and (flags == ops.ABFT_DETECTED).sum() >= 10
+
+
 # bank_guard at the store's scale (64 MiB) and ragged sizes. Banks of 4112 bytes take two chunks
 # (sums added atomically), 2^18 bytes 64 chunks, 16 bytes one part-idle warp.
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16])

@@ -591,6 +591,27 @@ def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
     assert sorted(calls) == sorted([(False, 2), (False, 1), (False, 1), (True, 2)])
 
 
+def test_shared_checks_are_read_in_place_by_each_products_finish():
+    """With one check GEMM for two weights (2 + 1 column blocks), each product's finish takes the
+    whole checks at its block offset (0 and 2): nothing slices them apart (each slice was a copy
+    kernel on the GPU), in the forward and in the weight gradients' shared check."""
+    x = jnp.ones((16, 64), jnp.bfloat16)
+    ws = (jnp.ones((64, 256), jnp.bfloat16), jnp.ones((64, 128), jnp.bfloat16))
+    policy = FaultPolicy(block_n=128)
+
+    def f(x, a, b):
+        return sum(jnp.sum(y.astype(jnp.float32)) for y in ops.protected_matmuls(x, (a, b), policy=policy)[0])
+
+    for fn, k in ((f, 64), (jax.grad(f, argnums=(1, 2)), 16)):  # forward (K = 64); dw (K = M = 16)
+        hlo = jax.jit(fn).lower(x, *ws).as_text()
+        calls = [ln for ln in hlo.splitlines() if "pimlayers_abft_finish(" in ln and f"k = {k} :" in ln]
+        offsets = sorted({int(re.search(r"block_offset = (\d+)", ln).group(1)) for ln in calls})
+        assert offsets == [0, 2], (k, offsets)
+        rows = 16 if k == 64 else 64
+        assert all(f"tensor<{rows}x3x2xf32>" in ln for ln in calls), calls
+    assert "split" not in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, *ws))
+
+
 def test_the_mlp_checks_gate_and_up_with_one_call(monkeypatch):
     """llama_mlp's gate and up projections share x: their checks come from one abft_checks call
     (with both weights' blocks), the down projection's from its own."""
