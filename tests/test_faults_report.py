@@ -200,3 +200,20 @@ def test_tree_map_with_non_array_leaves_keeps_them():
     assert isinstance(shapes, FaultReport)
     assert shapes.gemm_checked == jax.ShapeDtypeStruct((), jnp.int32)
     assert "FaultReport(" in str(specs)  # No summary for non-array leaves.
+
+
+def test_flatten_and_unflatten_keep_every_field_in_order_and_refuse_a_wrong_count():
+    """The pytree functions (field names computed once) give the fields in declaration order, with
+    their attribute keys, and rebuild exactly what they were given; a wrong number of leaves is an
+    error naming the fields, never a report with a field missing or shifted."""
+    from pimlayers.faults import _report as module
+
+    report = _report()
+    leaves, treedef = jax.tree.flatten(report)
+    assert [int(v) for v in leaves] == list(range(1, len(FIELDS) + 1))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(report)[0]]
+    assert paths == [f".{name}" for name in FIELDS]
+    back = jax.tree.unflatten(treedef, [v * 2 for v in leaves])
+    assert back.to_dict() == {name: 2 * (i + 1) for i, name in enumerate(FIELDS)}
+    with pytest.raises(ValueError, match=r"11 leaves; expected 12 \(gemm_checked, "):
+        module._unflatten(None, leaves[:-1])
