@@ -196,7 +196,7 @@ inline ffi::Error CheckAbftShapes(const ffi::AnyBuffer& y, const ffi::AnyBuffer&
   *n = yd[yd.size() - 1];
   *nb = *n == 0 ? 0 : CeilDiv(*n, block_n);
   *rows = LeadingCount(yd, 1);
-  // The checks' blocks per row: from their shape where it has them, else (no rows) y's own.
+  // B, the checks' blocks per row, from their shape (-1 if they have too few axes: refused below).
   auto cd = checks.dimensions();
   const int64_t blocks = cd.size() >= 2 ? cd[cd.size() - 2] : -1;
   if (checks.element_type() != ffi::DataType::F32 || mag.element_type() != ffi::DataType::F32 ||
