@@ -402,6 +402,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
   __shared__ int queued[kTileThreads / 32];
   const int lane = threadIdx.x & 31, glane = lane % kGroup, group = lane / kGroup;
   const int wib = threadIdx.x / 32;
+  const float floor = AbftFloor(p.k, 128);  // AbftBound's, for the clean case below
   const int64_t tiles = io.rows * io.nb, per_warp = kChunks * 4;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kTileThreads / 32);
   const int64_t warp0 = static_cast<int64_t>(blockIdx.x) * (kTileThreads / 32) + wib;
@@ -452,7 +453,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
       if (!rare) {
         // AbftDecide's clean case, free of calls (its square roots hoisted into coef): the
         // block's weights are j + 1, so its weighted sum is s2 + s1.
-        const float b1 = coef * mag[u] + p.u_y * sa;
+        const float b1 = coef * mag[u] + p.u_y * sa + floor;
         const double r1 = static_cast<double>(s1) - c[u].x;
         const double r2 = static_cast<double>(s2) + static_cast<double>(s1) - c[u].y;
         rare = !(IsFiniteF(c[u].x) && IsFiniteF(c[u].y) && IsFiniteF(mag[u]) && fabs(r1) <= b1 &&

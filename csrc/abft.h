@@ -44,10 +44,22 @@ struct AbftParams {
   bool correct;
 };
 
+// The bound's floor for subnormal values. A GEMM may flush subnormal operands or products to zero
+// (XLA's CPU kernels run with flush-to-zero; GPU tensor cores too) where the checks keep them, or
+// the other way round: each of the K products and n sums can then differ by up to the smallest
+// normal f32, FLT_MIN, while a block of subnormal values has a mag (and so a relative bound) that
+// underflows to 0. Seen in the CPU training step (llama3_small, f32): after ~160 steps attention's
+// dQ = dS·K GEMMs had rows of subnormal dS, checks of ~1e-40 against a product of exactly 0 and a
+// bound of 0, and about a third of the steps were skipped as uncorrectable. (K + n + 2)·FLT_MIN is
+// ~1e-35 at these sizes: no error that matters hides under it.
+PL_HD float AbftFloor(int64_t k, int64_t n) {
+  return static_cast<float>(k + n + 2) * 1.17549435e-38f;
+}
+
 PL_HD float AbftBound(float mag, double sum_abs, int64_t n, const AbftParams& p) {
   return p.lam * p.u * (sqrtf(static_cast<float>(p.k)) + sqrtf(static_cast<float>(n)) + 2.0f) *
              mag +
-         p.u_y * static_cast<float>(sum_abs);
+         p.u_y * static_cast<float>(sum_abs) + AbftFloor(p.k, n);
 }
 
 // `load(j)` reads the block's value j (as stored): needed only to locate an error in a rounded

@@ -262,3 +262,33 @@ def test_in_place_gate_skips_only_blocks_with_nothing_to_gate(dtype, block_n):
     assert np.array_equal(np.asarray(o, np.float32), np.where(over, 0.0, a))
     o, f, n = ops.abft_finish(y, c, mag, limit=None, **kw)
     assert not np.asarray(n).any() and np.array_equal(np.asarray(o, np.float32), a)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_a_block_of_subnormal_values_flushed_by_the_gemm_is_not_a_fault(impl):
+    """A GEMM may flush subnormal products to zero where the checks keep them (XLA's CPU kernels do):
+    a row of subnormal inputs then gives checks of ~1e-40 against a product of exactly 0, and a mag
+    whose relative bound underflows to 0. The bound's floor, (K + n + 2) FLT_MIN, passes that row
+    (in the CPU training step such rows of attention's dS skipped a third of the steps); an error
+    that matters in the same row is still found and rebuilt."""
+    rng = np.random.default_rng(0)
+    k, n = 64, 128
+    x = rng.standard_normal((8, k)).astype(np.float64)
+    x[0] *= 1e-40  # subnormal in f32
+    w = rng.standard_normal((k, n)) / 8
+    enc = ops.abft_encode(jnp.asarray(w, jnp.float32), 128)
+    sums = np.asarray(enc.sums, np.float64).reshape(k, 2)
+    xf = np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # x as the f32 GEMM reads it
+    c = jnp.asarray((xf @ sums).reshape(8, 1, 2), jnp.float32)
+    mag = jnp.asarray(np.abs(xf) @ np.asarray(enc.abs_sums, np.float64), jnp.float32)
+    # Without the floor the row's bound (its relative part) is far below its checks: a detection.
+    relative = 8.0 * 2.0**-24 * (np.sqrt(k) + np.sqrt(n) + 2.0) * float(mag[0, 0])
+    assert 0 < relative < abs(float(c[0, 0, 0])) < 1e-35
+    y = jnp.asarray(xf @ w, jnp.float32).at[0].set(0.0)  # the GEMM flushed row 0's products
+    kw = dict(k=k, block_n=128, impl=impl)
+    out, flags, _ = jax.jit(lambda v: ops.abft_finish(v, c, mag, **kw))(y)
+    assert not np.asarray(flags).any()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(y))
+    bad = y.at[0, 5].set(0.5)  # a real error in that row: located and rebuilt (to ~0)
+    out, flags, _ = jax.jit(lambda v: ops.abft_finish(v, c, mag, **kw))(bad)
+    assert int(flags[0, 0]) == ops.ABFT_CORRECTED and abs(float(out[0, 5])) < 1e-30

@@ -6,10 +6,12 @@ is cut into column blocks of ``block_n``. The weight carries, per block b (encod
 (j counted inside the block). The GEMM's checks are ``c = x @ [w1, w2]`` and ``mag = |x| @ wa``,
 computed in f32 at HIGHEST precision. The check then compares the block sums of y with c:
 
-    B1 = lam * u * (sqrt(K) + sqrt(n) + 2) * mag + u_y * sum_j |y_ij|      (n = block width)
+    B1 = lam * u * (sqrt(K) + sqrt(n) + 2) * mag + u_y * sum_j |y_ij| + (K + n + 2) * FLT_MIN
 
 a probabilistic rounding-error bound (Higham & Mary 2019; lam = 8 fails with probability about
-2.5e-14 per sum) plus the rounding of y to its storage dtype (u_y = 0 for f32, 2^-8 for bf16).
+2.5e-14 per sum) plus the rounding of y to its storage dtype (u_y = 0 for f32, 2^-8 for bf16) and a
+floor for subnormal values, which a GEMM may flush to zero where the checks keep them
+(:func:`bound_floor`).
 |r1| > B1 or |r2| > n*B1 is "detected"; a single error with |r1| > 4 n B1 is located for certain
 (for a rounded y, B1 here leaves out the candidate column's own |y|: that value and its rounding are
 the one error the test assumes) and rebuilt from the checksum, and the rebuilt block must then pass
@@ -57,6 +59,15 @@ __all__ = [
 
 ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED = 0, 1, 2
 F32_ROUNDOFF = 2.0**-24
+_F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal f32, FLT_MIN
+
+
+def bound_floor(k: int, width) -> jax.Array | float:
+    """The bound's floor for subnormal values, ``(K + n + 2) · FLT_MIN`` (csrc/abft.h, AbftFloor):
+    a GEMM that flushes subnormal operands or products to zero where the checks keep them (or the
+    other way round) differs from them by up to FLT_MIN per product and sum, while a block of
+    subnormal values has a mag, and so a relative bound, that underflows to 0."""
+    return (k + width + 2.0) * _F32_TINY
 
 
 class WeightChecksums(NamedTuple):
@@ -482,7 +493,8 @@ def abft_check_reference(
     sa = jnp.abs(yz).sum(-1)
     c1, c2 = checks[..., 0], checks[..., 1]
     u_y = 0.0 if y.dtype == jnp.float32 else UNIT_ROUNDOFF[jnp.dtype(y.dtype)]
-    b1 = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * sa
+    floor = bound_floor(k, width)
+    b1 = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * sa + floor
     r1, r2 = s1 - c1, s2 - c2
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
@@ -492,7 +504,7 @@ def abft_check_reference(
         jc = jnp.clip(jl, 0, bn - 1).astype(jnp.int32)[..., None]
         yj = jnp.take_along_axis(yz, jc, axis=-1)[..., 0]
         rest = jnp.maximum(sa - jnp.abs(yj), 0.0)
-        b1_loc = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * rest
+        b1_loc = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * rest + floor
     # A single error leaves r2 = (jl + 1) r1 up to rounding (csrc/abft.h; the sums here are f32, so
     # the rounding term uses f32's epsilon); two errors of very different size do not.
     tol = 2.0 * width * b1_loc + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
@@ -519,8 +531,10 @@ def abft_check_reference(
     # second, smaller error can hide behind a huge one in the location test's tolerance.
     rest = jnp.where(at, 0.0, yz)
     r2_fixed = (rest * (col + 1).astype(jnp.float32)).sum(-1) + (loc + 1).astype(jnp.float32) * value - c2
-    b1_fixed = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * (
-        jnp.abs(rest).sum(-1) + jnp.abs(value)
+    b1_fixed = (
+        lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag
+        + u_y * (jnp.abs(rest).sum(-1) + jnp.abs(value))
+        + floor
     )
     rebuilt_ok = jnp.isfinite(value) & (
         jnp.abs(r2_fixed) <= width * (b1_fixed + jnp.abs(value) * float(np.finfo(np.float32).eps))
