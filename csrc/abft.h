@@ -49,9 +49,9 @@ struct AbftParams {
 // the other way round: each of the K products and n sums can then differ by up to the smallest
 // normal f32, FLT_MIN, while a block of subnormal values has a mag (and so a relative bound) that
 // underflows to 0. Seen in the CPU training step (llama3_small, f32): after ~160 steps attention's
-// dQ = dS·K GEMMs had rows of subnormal dS, checks of ~1e-40 against a product of exactly 0 and a
-// bound of 0, and about a third of the steps were skipped as uncorrectable. (K + n + 2)·FLT_MIN is
-// ~1e-35 at these sizes: no error that matters hides under it.
+// dQ = dS·K checks failed on blocks of subnormal dS (a pure-JAX check of the same blocks, in XLA's
+// arithmetic, passed them), and about a third of the steps were skipped as uncorrectable; with the
+// floor, none. (K + n + 2)·FLT_MIN is ~1e-35 at these sizes: no error that matters hides under it.
 PL_HD float AbftFloor(int64_t k, int64_t n) {
   return static_cast<float>(k + n + 2) * 1.17549435e-38f;
 }

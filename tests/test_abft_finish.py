@@ -266,7 +266,7 @@ def test_in_place_gate_skips_only_blocks_with_nothing_to_gate(dtype, block_n):
 
 @pytest.mark.parametrize("impl", ["native", "reference"])
 def test_a_block_of_subnormal_values_flushed_by_the_gemm_is_not_a_fault(impl):
-    """A GEMM may flush subnormal products to zero where the checks keep them (XLA's CPU kernels do):
+    """A GEMM may flush subnormal products to zero where the checks keep them (or the other way round):
     a row of subnormal inputs then gives checks of ~1e-40 against a product of exactly 0, and a mag
     whose relative bound underflows to 0. The bound's floor, (K + n + 2) FLT_MIN, passes that row
     (in the CPU training step such rows of attention's dS skipped a third of the steps); an error
