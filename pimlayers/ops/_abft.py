@@ -494,7 +494,8 @@ def abft_check_reference(
     c1, c2 = checks[..., 0], checks[..., 1]
     u_y = 0.0 if y.dtype == jnp.float32 else UNIT_ROUNDOFF[jnp.dtype(y.dtype)]
     floor = bound_floor(k, width)
-    b1 = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * sa + floor
+    rel = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag  # the accumulation's part of B1
+    b1 = rel + u_y * sa + floor
     r1, r2 = s1 - c1, s2 - c2
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
@@ -504,7 +505,7 @@ def abft_check_reference(
         jc = jnp.clip(jl, 0, bn - 1).astype(jnp.int32)[..., None]
         yj = jnp.take_along_axis(yz, jc, axis=-1)[..., 0]
         rest = jnp.maximum(sa - jnp.abs(yj), 0.0)
-        b1_loc = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * rest + floor
+        b1_loc = rel + u_y * rest + floor
     # A single error leaves r2 = (jl + 1) r1 up to rounding (csrc/abft.h; the sums here are f32, so
     # the rounding term uses f32's epsilon); two errors of very different size do not.
     tol = 2.0 * width * b1_loc + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
@@ -531,11 +532,7 @@ def abft_check_reference(
     # second, smaller error can hide behind a huge one in the location test's tolerance.
     rest = jnp.where(at, 0.0, yz)
     r2_fixed = (rest * (col + 1).astype(jnp.float32)).sum(-1) + (loc + 1).astype(jnp.float32) * value - c2
-    b1_fixed = (
-        lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag
-        + u_y * (jnp.abs(rest).sum(-1) + jnp.abs(value))
-        + floor
-    )
+    b1_fixed = rel + u_y * (jnp.abs(rest).sum(-1) + jnp.abs(value)) + floor
     rebuilt_ok = jnp.isfinite(value) & (
         jnp.abs(r2_fixed) <= width * (b1_fixed + jnp.abs(value) * float(np.finfo(np.float32).eps))
     )
@@ -618,11 +615,10 @@ def _check_args(
     if not isinstance(off, int | np.integer) or off < 0:
         raise ValueError(f"pimlayers.{op}: block_offset={block_offset!r}; expected an int >= 0")
     bn, nb = _blocks(y.shape[-1], block_n)
-    lead = tuple(y.shape[:-1])
     blocks = nb
-    if block_offset is not None and checks.ndim == y.ndim + 1 and checks.shape[-2] >= nb + off:
-        blocks = checks.shape[-2]  # a wider row of checks, y's at block_offset
-    want_c, want_m = (*lead, max(blocks, nb + off), 2), (*lead, max(blocks, nb + off))
+    if block_offset is not None:  # a wider row of checks is taken, y's at block_offset
+        blocks = max(checks.shape[-2] if checks.ndim == y.ndim + 1 else 0, nb + off)
+    want_c, want_m = (*y.shape[:-1], blocks, 2), (*y.shape[:-1], blocks)
     for name, arr, want in (("checks", checks, want_c), ("mag", mag, want_m)):
         if tuple(arr.shape) != want or arr.dtype != jnp.float32:
             extra = f" and block_offset={off}" if off else ""
