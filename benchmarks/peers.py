@@ -174,8 +174,9 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
 
 def _backward_kernels(q, k, v, g, flops, shape, rows, cudnn) -> list[dict]:
     """The backward kernels alone (``ops.flash_attention_bwd`` from the forward's output and
-    logsumexp), with and without their checks, against cuDNN's backward: its forward+backward less
-    its forward, both timed above. Each build's gradients are checked against cuDNN's first."""
+    logsumexp: the two kernels, then the fused one), with and without their checks, against cuDNN's
+    backward: its forward+backward less its forward, both timed above. Each build's gradients are
+    checked against cuDNN's first."""
     from pimlayers import ops
 
     ms = {r["mode"]: r["ms"] for r in rows if r["op"] == "cuDNN flash attention" and "ms" in r}
@@ -195,14 +196,16 @@ def _backward_kernels(q, k, v, g, flops, shape, rows, cudnn) -> list[dict]:
             vs_cudnn=1.0,
         )
     ]
-    for checks in (False, True):
-        fn = jax.jit(functools.partial(ops.flash_attention_bwd, checks=checks))
+    for fused, checks in ((False, False), (False, True), (True, False), (True, True)):
+        cfg = ops.FlashBwdConfig(fused=fused)
+        fn = jax.jit(functools.partial(ops.flash_attention_bwd, checks=checks, config=cfg))
         got = fn(q, k, v, out, lse, g)
         err = max(
             float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
             for a, b in zip(got[:3], want, strict=True)
         )
-        name = f"pimlayers flash_attention_bwd, {'verified' if checks else 'checks off'}"
+        kernels = ", fused kernel" if fused else ""  # FlashBwdConfig(fused=True): one kernel, opt-in
+        name = f"pimlayers flash_attention_bwd{kernels}, {'verified' if checks else 'checks off'}"
         if err > 0.05 * scale:  # checked before timing: a wrong build gets an error row, no time
             found.append(
                 dict(mode="bwd", op=name, shape=shape, error=f"gradients differ from cuDNN's: {err:.3g}")

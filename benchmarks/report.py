@@ -111,7 +111,8 @@ protected attention >= 0.93). `pimlayers flash_attention` rows are the kernel wi
 in-kernel checks (bounds computed by XLA included); `attention_core, protected` rows are the layer's
 whole protected path (report, recompute loop; fwd+bwd with its backward). Every output is compared
 with XLA's before timing. `bwd` rows (newer runs) time `flash_attention_bwd`'s two kernels alone, with
-and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run.
+and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run;
+since 2026-12-04 also the opt-in fused kernel (`FlashBwdConfig(fused=True)`, "fused kernel" rows).
 
 Reading the profile tables: `python -m benchmarks.profile` traces a short training run under the JAX
 profiler and sums the device kernels by name; `ms_per_step` divides by the steps traced, `share` is

@@ -46,8 +46,16 @@ def flash_cases(which: str = "") -> list:
         *[(TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape)) for shape in TF.SHAPES[:2]],
     ]
     bwd = [
-        *[(TB.test_bwd_kernels_match_the_reference, (None, shape)) for shape in TB.SHAPES[:4]],
-        *[(TB.test_bwd_kernels_flag_the_flipped_rows, (None, gemm, 30)) for gemm in ("dq", "dp_t", "dk")],
+        *[
+            (TB.test_bwd_kernels_match_the_reference, (None, shape, cfg))
+            for cfg in (TB.TWO, TB.FUSED)
+            for shape in TB.SHAPES[:4]
+        ],
+        *[
+            (TB.test_bwd_kernels_flag_the_flipped_rows, (None, gemm, cfg, 30))
+            for cfg in (TB.TWO, TB.FUSED)
+            for gemm in ("dq", "dp_t", "dk")
+        ],
     ]
     return {"fwd": fwd, "bwd": bwd}.get(which, fwd + bwd)
 

@@ -190,3 +190,23 @@ def test_layer_backward_reruns_on_a_detected_fault():
         lambda f: A._flash_backward(q, k, v, out, lse, do, 1 / math.sqrt(D), True, detect, f, reference=True)
     )(_site("dq", [9], 30, lambda r: 1))
     assert r2.to_dict()["gemm_uncorrectable"] == 1 and r2.to_dict()["gemm_recomputed"] == 0
+
+
+def test_fused_config_checks_five_gemms_with_the_same_bounds():
+    # The fused kernel runs no query-row s and dp: its reference reports them as None, rejects
+    # faults there, and gives every other GEMM the two kernels' ratios (the same sums and bounds).
+    from pimlayers.ops._flash_bwd import bwd_gemms
+
+    args = _inputs(d=128, seed=9)
+    fused, two = ops.FlashBwdConfig(fused=True), ops.FlashBwdConfig(fused=False)
+    assert bwd_gemms(128, fused) == ("dq", "scores_t", "dp_t", "dv", "dk")
+    assert len(bwd_gemms(64, fused)) == 7  # D = 64: the two kernels
+    site = _site("dk", [40], 30, lambda r: 3)
+    got = ops.flash_attention_bwd_reference(*args, site, config=fused)
+    want = ops.flash_attention_bwd_reference(*args, site, config=two)
+    assert got[3].scores is None and got[3].dp is None
+    for name in bwd_gemms(128, fused):
+        np.testing.assert_array_equal(np.asarray(getattr(got[3], name)), np.asarray(getattr(want[3], name)))
+    assert float(got[3].dk[0, 1, 40]) > 1.0
+    with pytest.raises(ValueError, match=r"faults\.scores.*fused"):
+        ops.flash_attention_bwd_reference(*args, _site("scores", [5], 30, lambda r: 1), config=fused)

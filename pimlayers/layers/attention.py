@@ -31,7 +31,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..faults import FaultPolicy, FaultReport, GemmFaults
 from ..ops import (
-    FlashBwdChecks,
     FlashChecks,
     FlashFaults,
     flash_attention,
@@ -45,6 +44,7 @@ from ..ops import (
     protected_bmm_grads,
     zero_tap,
 )
+from ..ops._flash_bwd import bwd_gemms
 from ..ops._fused_gemm import hopper
 from ..ops._protected_matmul import _to_tap
 from ..ops._rows import row_parallel
@@ -363,6 +363,7 @@ def _flash_backward(
     (FlashBwdFaults) and ``reference`` (XLA standing in for the kernels): for tests."""
     b, kvh = q.shape[0], k.shape[2]
     kernel = flash_attention_bwd_reference if reference else flash_attention_bwd
+    gemms = bwd_gemms(q.shape[-1])  # the two kernels' seven GEMMs, or the fused kernel's five
 
     def run(q, k, v, out, lse, dout, faults):
         leaves, tree = jax.tree.flatten(faults)
@@ -370,13 +371,13 @@ def _flash_backward(
         def call(q, k, v, out, lse, dout, *sites):
             f = jax.tree.unflatten(tree, sites)
             dq, dk, dv, ch = kernel(q, k, v, out, lse, dout, f, causal=causal, scale=scale, lam=policy.lam)
-            return dq, dk, dv, *ch
+            return dq, dk, dv, *(getattr(ch, n) for n in gemms)
 
         dq, dk, dv, *ch = _per_batch(call, q, k, v, out, lse, dout, *leaves)
-        return (dq, dk, dv), FlashBwdChecks(*ch)
+        return (dq, dk, dv), dict(zip(gemms, ch, strict=True))
 
-    groups = lambda ch: _failing(list(ch), b, kvh)
-    return _run_checked(run, (q, k, v, out, lse, dout), faults, groups, 7 * b * kvh, policy)
+    groups = lambda ch: _failing(list(ch.values()), b, kvh)
+    return _run_checked(run, (q, k, v, out, lse, dout), faults, groups, len(gemms) * b * kvh, policy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))

@@ -81,18 +81,35 @@ _U = 2.0**-24
 @dataclasses.dataclass(frozen=True)
 class FlashBwdConfig:
     """Tiling: ``block_q`` query rows per compute warpgroup in the dq kernel and per streamed block in
-    the dk/dv kernel, ``block_kv`` key rows the other way round; ``stages`` blocks in flight. On an
+    the dk/dv kernel, ``block_kv`` key rows the other way round; ``stages`` blocks in flight;
+    ``fused``: one kernel instead of two. On an
     H200 (B = 1, T = 8192, 32/8 heads, D = 128, causal) 64/64/2 took 5.07 ms with the checks, 64/128
     22.1, 128/64 9.3, three stages 5.26; JAX's non-causal Pallas backward also ran fastest at 64."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
+    # One kernel for dq, dk and dv at D = 128 (:mod:`._flash_bwd_fused`): five GEMMs per block pair
+    # instead of seven, but slower on the H200 (2026-12-04, B = 1, T = 8192, 32/8 heads): 8.17 ms
+    # against 4.51 with the checks, 3.72 against 3.34 without. Opt-in until it wins.
+    fused: bool = False
+
+
+def bwd_gemms(d: int, config: FlashBwdConfig | None = None) -> tuple[str, ...]:
+    """The GEMMs the backward runs and checks at head dimension d: all seven of the two kernels, or
+    the fused kernel's five (no query-row s and dp: it forms them once, as sᵀ and dpᵀ)."""
+    return ("dq", *_K_GEMMS) if _fused(d, config) else _Q_GEMMS + _K_GEMMS
+
+
+def _fused(d: int, config: FlashBwdConfig | None) -> bool:
+    # Each warpgroup forms one 64-column half of dq: at D = 64 a half would split a swizzled tile.
+    return (config or FlashBwdConfig()).fused and d == 128
 
 
 class FlashBwdChecks(NamedTuple):
     """|checksum difference| / bound per row of each GEMM (> 1: a fault). Query rows (B, H, T) for the
-    dq kernel's GEMMs, key rows (B, KV, S) for the dk/dv kernel's."""
+    dq kernel's GEMMs, key rows (B, KV, S) for the dk/dv kernel's. The fused kernel runs no query-row
+    s and dp: ``scores`` and ``dp`` are None there (:func:`bwd_gemms` names the GEMMs run)."""
 
     scores: Float[Array, "b h t"]
     dp: Float[Array, "b h t"]
@@ -757,14 +774,20 @@ def _check_inputs(q, k, v, out, lse, do, causal: bool, cfg: FlashBwdConfig, name
         )
 
 
-def _check_faults(q, k, faults) -> None:
+def _check_faults(q, k, faults, config: FlashBwdConfig | None = None) -> None:
     if not isinstance(faults, FlashBwdFaults):
         raise TypeError(
             f"pimlayers.flash_attention_bwd: faults is a {type(faults).__name__}; expected FlashBwdFaults"
         )
+    gemms = bwd_gemms(q.shape[-1], config)
     for name, site in zip(FlashBwdFaults._fields, faults, strict=True):
         if site is None:
             continue
+        if name not in gemms:
+            raise ValueError(
+                f"pimlayers.flash_attention_bwd: faults.{name} names a GEMM the fused backward does not run "
+                f"(it runs {', '.join(gemms)}); use FlashBwdConfig(fused=False) to inject it"
+            )
         want = (
             (q.shape[0], q.shape[2], q.shape[1]) if name in _Q_GEMMS else (k.shape[0], k.shape[2], k.shape[1])
         )
@@ -829,7 +852,7 @@ def flash_attention_bwd(
             "pimlayers.flash_attention_bwd: faults are injected before the checks; pass checks=True"
         )
     if faults is not None:
-        _check_faults(q, k, faults)
+        _check_faults(q, k, faults, config)
     cfg, scale, delta, bd, (q, k, v, out, dout) = _prepare(
         q, k, v, out, lse, dout, causal, scale, lam, config, "flash_attention_bwd", checks
     )
@@ -849,11 +872,19 @@ def flash_attention_bwd(
     q_tiles = [bd["ks"], bd["vs"], bd["kd"]] if checks else []
     kw = dict(causal=causal, c=c, scale=scale, checks=checks, cfg=cfg)
     c_dq, c_kv = (bd["c_dq"], bd["c_kv"]) if checks else (0.0, 0.0)
+    k_rows = [bd["tol_st"], bd["tol_dpt"]] if checks else []
+    k_tiles = [bd["qs"], bd["dos"], bd["qd"], bd["dod"], bd["qm"]] if checks else []
+    if _fused(q.shape[-1], cfg):
+        from ._flash_bwd_fused import fused_bwd_call
+
+        dq, dk, dv, rk, r_dq = fused_bwd_call(
+            q, k, v, dout, lse2, delta, k_rows, k_tiles + ([bd["kd"]] if checks else []),
+            {n: fl[n] for n in ("dq", *_K_GEMMS) if n in fl}, c_dq=c_dq, c_kv=c_kv, **kw,
+        )  # fmt: skip
+        return dq, dk, dv, (FlashBwdChecks(None, None, r_dq, *rk) if checks else None)
     dq, *rq = _dq_call(
         q, k, v, dout, q_rows, q_tiles, {n: fl[n] for n in _Q_GEMMS if n in fl}, c_sum=c_dq, **kw
     )
-    k_rows = [bd["tol_st"], bd["tol_dpt"]] if checks else []
-    k_tiles = [bd["qs"], bd["dos"], bd["qd"], bd["dod"], bd["qm"]] if checks else []
     dk, dv, *rk = _dkv_call(
         q, k, v, dout, lse2, delta, k_rows, k_tiles, {n: fl[n] for n in _K_GEMMS if n in fl}, c_sum=c_kv, **kw
     )
@@ -877,7 +908,7 @@ def flash_attention_bwd_reference(
     """The kernels' results through XLA, every product materialised in f32: the same checksums, bounds,
     injected flips and bf16 roundings of p and ds. Any backend; for tests."""
     if faults is not None:
-        _check_faults(q, k, faults)
+        _check_faults(q, k, faults, config)
     cfg, scale, delta, bd, (q, k, v, out, dout) = _prepare(
         q, k, v, out, lse, dout, causal, scale, lam, config, "flash_attention_bwd_reference", True
     )
@@ -965,4 +996,6 @@ def flash_attention_bwd_reference(
     r_dk = _ratio(jnp.sum(dk_acc, -1) - ck, tol_dk)
     dk = (dk_acc * scale).astype(q.dtype).transpose(0, 2, 1, 3)
     dv = dv_acc.astype(q.dtype).transpose(0, 2, 1, 3)
+    if _fused(d, cfg):  # the fused kernel forms no query-row s and dp (nor checks them)
+        r_s = r_dp = None
     return dq, dk, dv, FlashBwdChecks(r_s, r_dp, r_dq, r_st, r_dpt, r_dv, r_dk)
