@@ -24,7 +24,7 @@ try:
 except ImportError:  # Older jax.
     from jax.experimental.shard_map import shard_map  # type: ignore[no-redef]
 
-FIELDS = [f.name for f in dataclasses.fields(FaultReport)]
+FIELDS = list(FaultReport.FIELDS)
 
 
 def _report(start: int = 1) -> FaultReport:
@@ -47,16 +47,17 @@ def test_field_order_is_the_documented_one():
         "link_retries",
         "link_failures",
     ]
-    # Pytree leaves come in field order, named by attribute.
+    # One pytree leaf, the counters in field order on its last axis.
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(_report())[0]]
-    assert paths == [f".{name}" for name in FIELDS]
+    assert paths == [".counts"]
+    np.testing.assert_array_equal(_report().counts, np.arange(1, len(FIELDS) + 1))
 
 
 def test_constructor_converts_to_int32_scalars():
     r = FaultReport(gemm_detected=3, banks_faulty=np.int64(2), link_failures=True)
     for name in FIELDS:
         leaf = getattr(r, name)
-        assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.int32 and leaf.shape == ()
+        assert isinstance(leaf, np.ndarray) and leaf.dtype == np.int32 and leaf.shape == ()  # host
     assert r.to_dict() == {
         **dict.fromkeys(FIELDS, 0),
         "gemm_detected": 3,
@@ -188,7 +189,8 @@ def test_str_under_tracing_falls_back_to_repr():
         return r
 
     f(_report())
-    assert seen and seen[0].startswith("FaultReport(gemm_checked=") and "Tracer" in seen[0]
+    assert seen and seen[0].startswith("FaultReport(counts=") and "Trace" in seen[0]
+    assert repr(_report()).startswith("FaultReport(gemm_checked=array(1, dtype=int32")
 
 
 def test_tree_map_with_non_array_leaves_keeps_them():
@@ -203,17 +205,31 @@ def test_tree_map_with_non_array_leaves_keeps_them():
 
 
 def test_flatten_and_unflatten_keep_every_field_in_order_and_refuse_a_wrong_count():
-    """The pytree functions (field names computed once) give the fields in declaration order, with
-    their attribute keys, and rebuild exactly what they were given; a wrong number of leaves is an
-    error naming the fields, never a report with a field missing or shifted."""
+    """The report is one leaf (the counters in declaration order), rebuilt exactly as given; a wrong
+    number of leaves is an error, never a report with a field missing or shifted."""
     from pimlayers.faults import _report as module
 
     report = _report()
     leaves, treedef = jax.tree.flatten(report)
-    assert [int(v) for v in leaves] == list(range(1, len(FIELDS) + 1))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(report)[0]]
-    assert paths == [f".{name}" for name in FIELDS]
-    back = jax.tree.unflatten(treedef, [v * 2 for v in leaves])
+    assert len(leaves) == 1 and leaves[0].dtype == jnp.int32 and leaves[0].shape == (len(FIELDS),)
+    assert [int(v) for v in leaves[0]] == list(range(1, len(FIELDS) + 1))
+    back = jax.tree.unflatten(treedef, [leaves[0] * 2])
     assert back.to_dict() == {name: 2 * (i + 1) for i, name in enumerate(FIELDS)}
-    with pytest.raises(ValueError, match=r"11 leaves; expected 12 \(gemm_checked, "):
-        module._unflatten(None, leaves[:-1])
+    with pytest.raises(ValueError, match=r"2 leaves; expected 1 \(counts\)"):
+        module._unflatten(None, [leaves[0], leaves[0]])
+
+
+def test_one_output_buffer_per_report():
+    # A jitted call returning a report hands the host one array for it, not one per counter (each
+    # output costs the host a buffer); the counters keep their shapes, broadcast to one.
+    out = jax.jit(lambda x: FaultReport(gemm_checked=3, gemm_detected=jnp.sum(x > 0)))(jnp.arange(4.0))
+    assert len(jax.tree.leaves(out)) == 1
+    assert out.to_dict()["gemm_checked"] == 3 and out.to_dict()["gemm_detected"] == 3
+    mixed = FaultReport(gemm_checked=2, gemm_detected=jnp.array([1, 0, 1]))
+    assert mixed.counts.shape == (3, len(FIELDS)) and mixed.gemm_checked.shape == (3,)
+    with pytest.raises(TypeError, match="unknown counters"):
+        FaultReport(gemm_checkd=1)
+    with pytest.raises(OverflowError, match="int32"):
+        FaultReport(banks_checked=2**31)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.counts = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -32,19 +31,27 @@ _DOCS: dict[str, str] = {
     "link_failures": "transfers lost on every route",
 }
 
-# Typed `Any` so the `jax.Array` annotations accept the Python-int default, which `__post_init__`
-# turns into an int32 array.
-_ZERO: Any = 0
+
+# The counters, in order: a report's one array holds them on its last axis.
+_FIELDS: tuple[str, ...] = tuple(_DOCS)
+_I32 = np.iinfo(np.int32)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: array fields have no truth value, so no `==`/hash.
 class FaultReport:
-    """Fault counters, one int32 array per field; a JAX pytree whose leaves are the fields.
+    """Fault counters, int32; a JAX pytree of one leaf, ``counts``, the counters on its last axis.
 
     Every protected op returns one; callers add them up the model (`+`, `FaultReport.sum`) and across
-    devices (`psum` inside `shard_map`). Fields are int32 scalars for a single call and gain leading
-    axes under `vmap`. The constructor accepts Python ints, bools and integer arrays and stores int32
-    arrays; omitted fields are zero.
+    devices (`psum` inside `shard_map`). Build one from counters by name (``FaultReport(
+    gemm_checked=7, gemm_detected=d)``: Python ints, bools and integer arrays, omitted ones zero);
+    read them by name (``report.gemm_detected``, an int32 array: a scalar for a single call, with
+    leading axes under `vmap`; read on the host, as numpy, from a concrete report). Counters given
+    with different shapes are broadcast to one.
+
+    One array rather than one per counter: a jitted call returning a report hands the host one
+    buffer instead of twelve, and each costs ~2 µs there. A protected f32 GEMM of 8 x 128 -> 128,
+    all dispatch, took 50 µs per call with twelve and 26 with one, the plain GEMM 15 (2000 calls, a
+    2-core CPU, 2026-12-04); at 256 x 256 -> 1024 the dispatch overlaps the ~0.6 ms GEMM and the
+    protected/plain ratio did not change measurably.
 
     Counters are int32 and wrap at 2**31 like any int32 add on the device (no saturation, to keep the
     add a single instruction). A report counts the events of one step, far below that limit; keep
@@ -52,22 +59,41 @@ class FaultReport:
     non-zero rather than positive, so even a wrapped count still reads as a fault.
     """
 
-    gemm_checked: jax.Array = _ZERO
-    gemm_detected: jax.Array = _ZERO
-    gemm_corrected: jax.Array = _ZERO
-    gemm_recomputed: jax.Array = _ZERO
-    gemm_uncorrectable: jax.Array = _ZERO
-    nonfinite_gated: jax.Array = _ZERO
-    banks_checked: jax.Array = _ZERO
-    banks_faulty: jax.Array = _ZERO
-    banks_repaired: jax.Array = _ZERO
-    banks_uncorrectable: jax.Array = _ZERO
-    link_retries: jax.Array = _ZERO
-    link_failures: jax.Array = _ZERO
+    __slots__ = ("counts",)
+    FIELDS: tuple[str, ...] = _FIELDS
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _as_counter(f.name, getattr(self, f.name)))
+    def __init__(self, **counters: Any) -> None:
+        unknown = sorted(set(counters) - set(_FIELDS))
+        if unknown:
+            expected = ", ".join(_FIELDS)
+            raise TypeError(f"FaultReport got unknown counters {unknown}; expected some of: {expected}")
+        values = [counters.get(name, 0) for name in _FIELDS]
+        if all(isinstance(v, (bool, int, np.integer, np.bool_)) for v in values):
+            # Python ints as one host array; out of int32 range an OverflowError, not a wrap.
+            for name, v in zip(_FIELDS, values, strict=True):
+                if not _I32.min <= int(v) <= _I32.max:
+                    raise OverflowError(f"FaultReport.{name} = {int(v)} is out of int32 range")
+            counts = jnp.asarray(np.array([int(v) for v in values], np.int32))
+        else:
+            parts = jnp.broadcast_arrays(*(_as_counter(n, v) for n, v in zip(_FIELDS, values, strict=True)))
+            counts = jnp.stack(parts, axis=-1)
+        object.__setattr__(self, "counts", counts)
+
+    @classmethod
+    def from_counts(cls, counts: Any) -> FaultReport:
+        """A report around ``counts`` as given: an int32 array (..., 12), or any pytree leaf JAX puts
+        in its place (a tracer, a PartitionSpec, a ShapeDtypeStruct, None), kept unchecked."""
+        report = object.__new__(cls)
+        object.__setattr__(report, "counts", counts)
+        return report
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __repr__(self) -> str:
+        if self._is_concrete():  # a tracer prints as one (indexing it would add ops to the trace)
+            return "FaultReport(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS) + ")"
+        return f"FaultReport(counts={self.counts!r})"
 
     # --- construction and arithmetic (all traceable) ---
 
@@ -128,16 +154,13 @@ class FaultReport:
         """Counters as Python ints, summed over any batch axes (in int64, so no wrap on the host)."""
         # Host-device sync point: `device_get` waits for the step that made this report to finish.
         self._require_concrete("to_dict")
-        values = jax.device_get([getattr(self, f.name) for f in dataclasses.fields(self)])
-        return {
-            f.name: int(np.sum(np.asarray(v), dtype=np.int64))
-            for f, v in zip(dataclasses.fields(self), values, strict=True)
-        }
+        counts = np.asarray(jax.device_get(self.counts), np.int64).reshape(-1, len(_FIELDS))
+        return {name: int(v) for name, v in zip(_FIELDS, counts.sum(axis=0), strict=True)}
 
     def summary(self) -> str:
         """A text table of every counter with its description; batched reports are summed first."""
         counts = self.to_dict()  # Host-device sync point (see `to_dict`).
-        rows = [(f.name, counts[f.name], _DOCS[f.name]) for f in dataclasses.fields(self)]
+        rows = [(name, counts[name], _DOCS[name]) for name in _FIELDS]
         total = counts["gemm_detected"] + counts["nonfinite_gated"] + counts["banks_faulty"]
         total += counts["link_failures"]
         lost = counts["gemm_uncorrectable"] + counts["banks_uncorrectable"] + counts["link_failures"]
@@ -160,10 +183,7 @@ class FaultReport:
         return repr(self)
 
     def _is_concrete(self) -> bool:
-        return all(
-            isinstance(v, (np.ndarray, np.generic, jax.Array)) and not isinstance(v, jax.core.Tracer)
-            for v in (getattr(self, f.name) for f in dataclasses.fields(self))
-        )
+        return _is_array(self.counts) and not isinstance(self.counts, jax.core.Tracer)
 
     def _require_concrete(self, what: str) -> None:
         if not self._is_concrete():
@@ -189,33 +209,51 @@ def _as_counter(name: str, value: Any) -> Any:
     )
 
 
-# The field names once: every jitted call that returns a report rebuilds it on the host (and
-# flattens it to pass one in). With `dataclasses.fields` per call that took 4.1 us to rebuild and
-# 2.1 to flatten, now 1.4 and 0.4 (timeit, a 2-core CPU, 2026-12-04): small, but paid by every
-# protected op called from Python, next to a CPU GEMM of ~0.6 ms at 256 x 256 -> 1024.
-_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FaultReport))
-_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _FIELDS)
-_GET = operator.attrgetter(*_FIELDS)
+def _is_array(v: Any) -> bool:
+    return isinstance(v, (np.ndarray, np.generic, jax.Array))
+
+
+def _field(i: int):
+    """The property of counter i: ``counts[..., i]``, read on the host (a numpy int32 array) when the
+    report is concrete: indexing a device array eagerly would trace a gather the first time, which
+    ``jax.no_tracing`` (the no-recompile tests) forbids, and a counter read outside jit is for the
+    host anyway. Under tracing, a traced slice. For a leaf JAX put in the array's place, the leaf
+    itself (a spec applies to every counter) or, for a ShapeDtypeStruct, the counter's shape."""
+
+    def get(self: FaultReport) -> Any:
+        c = self.counts
+        if isinstance(c, jax.core.Tracer):
+            return c[..., i]
+        if _is_array(c):
+            return np.asarray(c)[..., i]
+        if isinstance(c, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(c.shape[:-1], c.dtype)
+        return c
+
+    return property(get, doc=_DOCS[_FIELDS[i]])
+
+
+for _i, _name in enumerate(_FIELDS):
+    setattr(FaultReport, _name, _field(_i))
+
+_KEYS = (jax.tree_util.GetAttrKey("counts"),)
 
 
 def _flatten_with_keys(report: FaultReport) -> tuple[list[tuple[Any, Any]], None]:
-    return list(zip(_KEYS, _GET(report), strict=True)), None
+    return [(_KEYS[0], report.counts)], None
 
 
 def _flatten(report: FaultReport) -> tuple[tuple[Any, ...], None]:
-    return _GET(report), None
+    return (report.counts,), None
 
 
 def _unflatten(_aux: None, leaves: Iterable[Any]) -> FaultReport:
-    # Bypass `__init__`/`__post_init__`: JAX rebuilds pytrees with arbitrary leaves (tracers, None,
-    # PartitionSpecs, vmap axis ints, ShapeDtypeStructs) that must be kept as they are. The frozen
-    # dataclass refuses `setattr`, not its instance dict.
+    # JAX rebuilds pytrees with arbitrary leaves (tracers, None, PartitionSpecs, vmap axis ints,
+    # ShapeDtypeStructs) that must be kept as they are: no conversion, no checks but the count.
     leaves = tuple(leaves)
-    if len(leaves) != len(_FIELDS):
-        raise ValueError(f"FaultReport: {len(leaves)} leaves; expected {len(_FIELDS)} ({', '.join(_FIELDS)})")
-    report = object.__new__(FaultReport)
-    report.__dict__.update(zip(_FIELDS, leaves, strict=True))
-    return report
+    if len(leaves) != 1:
+        raise ValueError(f"FaultReport: {len(leaves)} leaves; expected 1 (counts)")
+    return FaultReport.from_counts(leaves[0])
 
 
 jax.tree_util.register_pytree_with_keys(FaultReport, _flatten_with_keys, _unflatten, _flatten)

@@ -23,7 +23,6 @@ to it to read the backward pass's faults.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -65,7 +64,7 @@ __all__ = [
     "zero_tap",
 ]
 
-REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(FaultReport))  # no arrays at import
+REPORT_FIELDS = FaultReport.FIELDS
 
 # The name (``jax.ad_checkpoint.checkpoint_name``) of the checksum columns of wᵀ that a protected
 # GEMM being differentiated encodes in its forward pass, with w's own, for its backward's dx
@@ -81,12 +80,11 @@ def zero_tap() -> jax.Array:
 
 def report_from_tap(g: jax.Array) -> FaultReport:
     """A FaultReport from the gradient of a tap (counts travel as exact small floats)."""
-    vals = jnp.rint(g).astype(jnp.int32)
-    return FaultReport(**{name: vals[..., i] for i, name in enumerate(REPORT_FIELDS)})
+    return FaultReport.from_counts(jnp.rint(g).astype(jnp.int32))
 
 
 def _to_tap(r: FaultReport) -> jax.Array:
-    return jnp.stack([getattr(r, name).astype(jnp.float32) for name in REPORT_FIELDS])
+    return r.counts.astype(jnp.float32)
 
 
 def _dot(a, b, precision, a_t: bool = False, b_t: bool = False, out=jnp.float32):
