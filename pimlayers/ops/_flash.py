@@ -135,6 +135,13 @@ def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return head.astype(jnp.bfloat16), (x - head).astype(jnp.bfloat16)
 
 
+def _tile_sum(acc8):
+    """A block check's value per row: the sum of an (R, CS) accumulator's columns against a
+    checksum tile [hi, lo, 0 x 6] (:func:`_tile` without ones). Its six zero rows give exact zeros,
+    so the eight columns sum to hi + lo bit for bit, without a column mask formed every step."""
+    return acc8.sum(axis=1)
+
+
 def _tile(hi: jax.Array, lo: jax.Array, ones: bool = False) -> jax.Array:
     """(..., n) hi and lo -> (..., CS, n): rows hi, lo, (ones,) then zeros."""
     rows = [hi[..., None, :], lo[..., None, :]]
@@ -382,9 +389,7 @@ def _kernel_call(
                     )
                     qk = _flip(qk, lax.broadcast_in_dim(sbit, qk.shape, [0]), hit)
                 if checks:
-                    col8 = plgpu.broadcasted_iota(jnp.int32, (bq, CS), 1, layout=wgmma_layout)
-                    e = jnp.where(col8 < 2, e8, 0.0).sum(axis=1)
-                    r_qk = jnp.maximum(r_qk, _ratio(qk.sum(axis=1) - e, tol_qk))
+                    r_qk = jnp.maximum(r_qk, _ratio(qk.sum(axis=1) - _tile_sum(e8), tol_qk))
                 if masked:
                     q_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout) + base
                     qk = jnp.where(q_ids >= kv_ids, qk, -jnp.inf)

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._flash import CS, _block_sums, _flip, _load, _ratio, _split, _stream, _tile
+from ._flash import CS, _block_sums, _flip, _load, _ratio, _split, _stream, _tile, _tile_sum
 from ._fused_gemm import hopper
 
 __all__ = [
@@ -410,8 +410,8 @@ def _dq_call(
                         else:
                             dp = _flip(dp, bcast(bit, (bq, bk)), hit)
                 if checks:
-                    r_s = jnp.maximum(r_s, _ratio(sc.sum(axis=1) - _hilo(plgpu, s_all[:, bk:]), rv[2]))
-                    r_dp = jnp.maximum(r_dp, _ratio(dp.sum(axis=1) - _hilo(plgpu, dp_all[:, bk:]), rv[3]))
+                    r_s = jnp.maximum(r_s, _ratio(sc.sum(axis=1) - _tile_sum(s_all[:, bk:]), rv[2]))
+                    r_dp = jnp.maximum(r_dp, _ratio(dp.sum(axis=1) - _tile_sum(dp_all[:, bk:]), rv[3]))
                 p = jnp.exp2(sc * c - bcast(lse2, (bq, bk)))
                 if masked:
                     q_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wl) + base
@@ -611,8 +611,8 @@ def _dkv_call(
                         else:
                             dpt = _flip(dpt, rows_b(bit, (bk, bq)), hit)
                 if checks:
-                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _hilo(plgpu, st_all[:, bq:]), rv[0]))
-                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _hilo(plgpu, dpt_all[:, bq:]), rv[1]))
+                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _tile_sum(st_all[:, bq:]), rv[0]))
+                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _tile_sum(dpt_all[:, bq:]), rv[1]))
                 lse = _load(plgpu, lse_smem.at[slot], cl)
                 dl = _load(plgpu, dl_smem.at[slot], cl)
                 p = jnp.exp2(st * c - cols_b(lse, (bk, bq)))

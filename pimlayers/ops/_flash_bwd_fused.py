@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._flash import CS, _flip, _load, _ratio, _stream
+from ._flash import CS, _flip, _load, _ratio, _stream, _tile_sum
 from ._flash_bwd import _hilo, _own_inputs, _zeros
 
 __all__ = ["fused_bwd_call"]
@@ -167,8 +167,8 @@ def fused_bwd_call(
                         else:
                             dpt = _flip(dpt, rows_b(bit, (bk, bq)), hit)
                 if checks:
-                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _hilo(plgpu, st_all[:, bq:]), rv[0]))
-                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _hilo(plgpu, dpt_all[:, bq:]), rv[1]))
+                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _tile_sum(st_all[:, bq:]), rv[0]))
+                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _tile_sum(dpt_all[:, bq:]), rv[1]))
                 lse = _load(plgpu, lse_smem.at[slot], cl)
                 dl = _load(plgpu, dl_smem.at[slot], cl)
                 p = jnp.exp2(st * c - cols_b(lse, (bk, bq)))
