@@ -8,7 +8,9 @@ import sys
 if "jax" not in sys.modules:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import copy
 import dataclasses
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -233,3 +235,5 @@ def test_one_output_buffer_per_report():
         FaultReport(banks_checked=2**31)
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.counts = None
+    for twin in (copy.deepcopy(out), pickle.loads(pickle.dumps(out))):
+        assert isinstance(twin, FaultReport) and twin.to_dict() == out.to_dict()

@@ -90,6 +90,10 @@ class FaultReport:
     def __setattr__(self, name: str, value: Any) -> None:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
 
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        # copy and pickle rebuild through from_counts (the default would assign the slot).
+        return (FaultReport.from_counts, (self.counts,))
+
     def __repr__(self) -> str:
         if self._is_concrete():  # a tracer prints as one (indexing it would add ops to the trace)
             return "FaultReport(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS) + ")"
