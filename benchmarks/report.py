@@ -165,6 +165,12 @@ beyond its work; `per_call_us` (newer files) is the wall time per update. On a H
 `launch-mosaic` file adds chains with a Pallas Mosaic-GPU kernel (the custom call the verified flash
 attention and the fused GEMM go through) after every 10th or each of 200 updates (`updates`).
 
+Reading the dispatch table: `python -m benchmarks.run --suite dispatch` times jitted calls at
+8 x 128 -> 128 (f32), where a call's time is its dispatch on the host: the plain GEMM, the protected
+one (product and FaultReport), its product alone, and its report's counters returned as twelve
+arrays (the report's layout before 2026-12-04; one array since). `us_per_call` is the median over
+5 batches of 2000 back-to-back calls; `vs_plain` relates it to the plain GEMM's.
+
 Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` trains the protected step
 (no recompute) in alternating processes without and with an environment setting that the native
 handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead

@@ -19,6 +19,7 @@ python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernel
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
 python -m benchmarks.run --suite launch                  # what one more kernel costs (gaps, graphs)
+python -m benchmarks.run --suite dispatch                # what a jitted (protected) call costs the host
 python -m benchmarks.run --suite finish --layers 4 --tag before --note "..."   # keep a second file
 """
 
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from models.llama3 import REMAT_POLICIES
 
-from . import abft_campaign, bounds, finish, launch, llama3, matmul, memory, ops, peers, routing
+from . import abft_campaign, bounds, dispatch, finish, launch, llama3, matmul, memory, ops, peers, routing
 from ._harness import command_line, device_name, write_result
 from .report import render
 
@@ -54,6 +55,7 @@ def main() -> None:
         "routing-multi",
         "peers",
         "launch",
+        "dispatch",
     ]
     suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
@@ -126,6 +128,7 @@ def main() -> None:
         ("routing-multi", routing.run_multi),
         ("peers", lambda: peers.run(args.peers)),
         ("launch", launch.run),
+        ("dispatch", dispatch.run),
         (
             "llama3",
             lambda: llama3.run(

@@ -52,6 +52,21 @@ def test_launch_suite_counts_its_kernels_and_splits_their_cost():
             assert 0 < r["kernel_us"] <= r["wall_us"] and r["gap_us"] >= 0
 
 
+def test_dispatch_suite_times_each_call_against_the_plain_gemm():
+    from benchmarks import dispatch
+
+    rows = dispatch.run(calls=20, repeats=2)
+    assert [r["op"] for r in rows] == [
+        "plain GEMM",
+        "protected GEMM (product and report)",
+        "protected GEMM, product only",
+        "protected GEMM, report as twelve outputs",
+    ]
+    assert all(r["us_per_call"] > 0 and r["shape"] == "8x128->128 float32" for r in rows)
+    assert rows[0]["vs_plain"] == 1.0
+    assert rows[1]["vs_plain"] == pytest.approx(rows[1]["us_per_call"] / rows[0]["us_per_call"])
+
+
 def test_launch_suite_mosaic_chain_lowers_to_mosaic_custom_calls():
     # The Hopper-only chains cannot run here; lowering for CUDA needs no GPU and checks the kernel's
     # Pallas code (its tile shape, the Mosaic-GPU backend) and that each update calls it: one traced
