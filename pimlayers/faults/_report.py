@@ -48,10 +48,11 @@ class FaultReport:
     with different shapes are broadcast to one.
 
     One array rather than one per counter: a jitted call returning a report hands the host one
-    buffer instead of twelve, and each costs ~2 µs there. A protected f32 GEMM of 8 x 128 -> 128,
-    all dispatch, took 50 µs per call with twelve and 26 with one, the plain GEMM 15 (2000 calls, a
-    2-core CPU, 2026-12-04); at 256 x 256 -> 1024 the dispatch overlaps the ~0.6 ms GEMM and the
-    protected/plain ratio did not change measurably.
+    buffer instead of twelve, and each costs it microseconds. A protected f32 GEMM of 8 x 128 -> 128,
+    all dispatch, took 30-33 µs per call, 61-73 with its counters returned as twelve arrays, the
+    plain GEMM 16 (``python -m benchmarks.run --suite dispatch``, a 2-core CPU, 2026-12-04); at
+    256 x 256 -> 1024 the dispatch overlaps the ~0.6 ms GEMM and the protected/plain ratio did not
+    change measurably.
 
     Counters are int32 and wrap at 2**31 like any int32 add on the device (no saturation, to keep the
     add a single instruction). A report counts the events of one step, far below that limit; keep
