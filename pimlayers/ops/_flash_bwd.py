@@ -89,7 +89,7 @@ class FlashBwdConfig:
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
-    # One kernel for dq, dk and dv at D = 128 (:mod:`._flash_bwd_fused`): five GEMMs per block pair
+    # One kernel for dq, dk and dv at D = 128 (:mod:`._flash_bwd_kv`): five GEMMs per block pair
     # instead of seven, but slower on the H200 (2026-12-04, B = 1, T = 8192, 32/8 heads): 8.17 ms
     # against 4.51 with the checks, 3.72 against 3.34 without. Opt-in until it wins.
     fused: bool = False
@@ -513,238 +513,6 @@ def _dq_call(
     return launch(q, k, v, do, *rows, *tiles, *flat_flips)
 
 
-def _dkv_call(
-    q,
-    k,
-    v,
-    do,
-    lse2,
-    delta,
-    rows,
-    tiles,
-    flips,
-    *,
-    causal: bool,
-    c: float,
-    scale: float,
-    checks: bool,
-    c_sum,
-    cfg,
-):
-    """dk, dv (and the key-row checks). lse2, δ (B, H, T) f32; rows with checks: tol_st, tol_dpt
-    (B, KV, S) f32; tiles: qs, dos, qd, dod, qm; flips: {gemm: (bit, col)} for scores_t, dp_t, dv,
-    dk; c_sum: the dv and dk checks' factor (times Σ p·‖do‖₁ and Σ_i Σ |ds|·max ‖q‖₁, measured)."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    g, dtype = h // kvh, q.dtype
-    bq, bk = cfg.block_q, cfg.block_kv
-    nq = t // bq
-    stages = cfg.stages
-    qn = bq + CS if checks else bq
-    n_rows = len(rows)
-    names = [n for n in _K_GEMMS if n in flips]
-    n_in = n_rows + 2 * len(names)
-    wl, cl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
-    n_t = 5 if checks else 0
-    diag = (2 * bk) // bq  # query blocks that overlap a CTA's keys (causal): the masked ones
-
-    def kernel(refs, scoped):
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-        row_refs = refs[6 : 6 + n_rows]
-        tile_refs = refs[6 + n_rows : 6 + n_rows + n_t]
-        flip_refs = refs[6 + n_rows + n_t : 6 + n_rows + n_t + 2 * len(names)]
-        dk_ref, dv_ref, *r_refs = refs[6 + n_rows + n_t + 2 * len(names) :]
-        smem, bars, consumed = scoped
-        k2, v2, q_smem, do_smem, qd_smem, dod_smem, qm_smem, lse_smem, dl_smem, rows_f, rows_i = smem
-        q_bar, do_bar, in_bar, row_bar = bars
-        q_done, do_done = consumed
-        batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        cta_base = lax.axis_index("kv_seq") * (2 * bk)
-        i0 = lax.div(cta_base, jnp.array(bq, jnp.int32)) if causal else 0
-        count = nq - i0  # query blocks per head
-        steps = g * count
-
-        def block_of(n):  # step -> (query head, query block)
-            return kv_head * g + lax.div(n, count), i0 + lax.rem(n, count)
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            ks, vs = k2.at[wg], v2.at[wg]
-            base = cta_base + wg * bk
-            sl = (batch, pl.ds(base, bk), kv_head)
-            rv, fl = _own_inputs(
-                pl, plgpu, wg, [(k_ref.at[sl], ks), (v_ref.at[sl], vs)], in_bar,
-                (batch, kv_head, pl.ds(base, bk)), row_refs, flip_refs, names, (rows_f, rows_i, row_bar),
-            )  # fmt: skip
-            zeros, row0 = _zeros(plgpu, bk)
-
-            rows_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-            cols_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
-
-            def step(n, carry, masked: bool):
-                dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = carry
-                slot = lax.rem(n, jnp.array(stages, n.dtype))
-                _, i = block_of(n)
-                plgpu.barrier_wait(q_bar.at[slot])
-                plgpu.barrier_wait(do_bar.at[slot])
-
-                def gemms(s_ref, p_ref):
-                    plgpu.wgmma(s_ref, ks, q_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(p_ref, vs, do_smem.at[slot].transpose((1, 0)))
-                    return s_ref[...], p_ref[...]
-
-                st_all, dpt_all = pl.run_scoped(
-                    gemms, plgpu.ACC((bk, qn), jnp.float32), plgpu.ACC((bk, qn), jnp.float32)
-                )
-                st, dpt = st_all[:, :bq], dpt_all[:, :bq]
-                q_ids = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wl) + i * bq
-                for name in ("scores_t", "dp_t"):
-                    if name in fl:
-                        bit, col = fl[name]
-                        hit = (q_ids == rows_b(col, (bk, bq))) & (rows_b(bit, (bk, bq)) >= 0)
-                        if name == "scores_t":
-                            st = _flip(st, rows_b(bit, (bk, bq)), hit)
-                        else:
-                            dpt = _flip(dpt, rows_b(bit, (bk, bq)), hit)
-                if checks:
-                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _tile_sum(st_all[:, bq:]), rv[0]))
-                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _tile_sum(dpt_all[:, bq:]), rv[1]))
-                lse = _load(plgpu, lse_smem.at[slot], cl)
-                dl = _load(plgpu, dl_smem.at[slot], cl)
-                p = jnp.exp2(st * c - cols_b(lse, (bk, bq)))
-                if masked:
-                    k_ids = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wl) + base
-                    p = jnp.where(q_ids >= k_ids, p, 0.0)
-                p16 = p.astype(dtype)
-                ds = p * (dpt - cols_b(dl, (bk, bq)))
-                ds16 = ds.astype(dtype)
-                if checks:
-                    # dk's magnitude: this block's Σ |ds| per key row times its largest ‖q‖₁.
-                    mag_k = mag_k + jnp.abs(ds).sum(axis=1) * _load(plgpu, qm_smem.at[slot], rl)
-
-                def mms(refs):
-                    dk_ref_, dv_ref_, c_ref = refs
-                    plgpu.wgmma(dv_ref_, p16, do_smem.at[slot, pl.ds(0, bq)])
-                    if checks:
-                        # [dod hi, dod lo, ‖do‖₁] per query: p·dod for the check, p·‖do‖₁ (p >= 0)
-                        # for its bound, in columns 0-2; ds·qd for dk's check in columns 3 and 4.
-                        plgpu.wgmma(c_ref, p16, dod_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dk_ref_, ds16, q_smem.at[slot, pl.ds(0, bq)])
-                    if checks:
-                        plgpu.wgmma(c_ref, ds16, qd_smem.at[slot].transpose((1, 0)))
-
-                init = lambda x: plgpu.ACC.init(x) if x is not None else None
-                dk_acc, dv_acc, cc = pl.run_state(mms)((init(dk_acc), init(dv_acc), init(cc)))
-                plgpu.barrier_arrive(q_done.at[slot])
-                plgpu.barrier_arrive(do_done.at[slot])
-                return dk_acc, dv_acc, cc, mag_k, r_st, r_dpt
-
-            c8 = zeros((bk, CS)) if checks else None
-            carry = (zeros((bk, d)), zeros((bk, d)), c8, row0() if checks else None, row0(), row0())
-
-            def head(hh, carry):
-                n0 = hh * count
-                if causal:
-                    carry = lax.fori_loop(n0, n0 + diag, functools.partial(step, masked=True), carry)
-                    return lax.fori_loop(n0 + diag, n0 + count, functools.partial(step, masked=False), carry)
-                return lax.fori_loop(n0, n0 + count, functools.partial(step, masked=False), carry)
-
-            dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
-            for name in ("dv", "dk"):
-                if name in fl:
-                    bit, col = fl[name]
-                    d_ids = plgpu.broadcasted_iota(jnp.int32, (bk, d), 1, layout=wl)
-                    hit = (d_ids == rows_b(col, (bk, d))) & (rows_b(bit, (bk, d)) >= 0)
-                    if name == "dv":
-                        dv_acc = _flip(dv_acc, rows_b(bit, (bk, d)), hit)
-                    else:
-                        dk_acc = _flip(dk_acc, rows_b(bit, (bk, d)), hit)
-            outs = []
-            if checks:
-                r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cc), c_sum * _hilo(plgpu, cc, (2,)))
-                r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, cc, (3, 4)), c_sum * mag_k)
-                outs = [r_st, r_dpt, r_dv, r_dk]
-            ks[...] = (dk_acc * scale).astype(dtype)
-            vs[...] = dv_acc.astype(dtype)
-            for i, r in enumerate(outs):
-                rows_f.at[wg, i][...] = r
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ks, dk_ref.at[sl])
-            plgpu.copy_smem_to_gmem(vs, dv_ref.at[sl])
-            for i in range(len(outs)):
-                plgpu.copy_smem_to_gmem(rows_f.at[wg, i], r_refs[i].at[batch, kv_head, pl.ds(base, bk)])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def load_q(n, slot):
-                head, i = block_of(n)
-                rs = pl.ds(i * bq, bq)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, rs, head], q_smem.at[slot, pl.ds(0, bq)], q_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rs], lse_smem.at[slot], q_bar.at[slot])
-                if checks:
-                    plgpu.copy_gmem_to_smem(
-                        tile_refs[0].at[batch, head, i], q_smem.at[slot, pl.ds(bq, CS)], q_bar.at[slot]
-                    )
-                    plgpu.copy_gmem_to_smem(tile_refs[2].at[batch, head, i], qd_smem.at[slot], q_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(tile_refs[4].at[batch, head, i], qm_smem.at[slot], q_bar.at[slot])
-
-            def load_do(n, slot):
-                head, i = block_of(n)
-                rs = pl.ds(i * bq, bq)
-                plgpu.copy_gmem_to_smem(
-                    do_ref.at[batch, rs, head], do_smem.at[slot, pl.ds(0, bq)], do_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rs], dl_smem.at[slot], do_bar.at[slot])
-                if checks:
-                    plgpu.copy_gmem_to_smem(
-                        tile_refs[1].at[batch, head, i], do_smem.at[slot, pl.ds(bq, CS)], do_bar.at[slot]
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        tile_refs[3].at[batch, head, i], dod_smem.at[slot], do_bar.at[slot]
-                    )
-
-            _stream(pl, plgpu, steps, stages, [(q_done, load_q), (do_done, load_do)])
-
-    def entry(*refs):
-        tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (
-            plgpu.SMEM((2, bk, d), dtype, transforms=tf),  # k in, dk staged on its way back
-            plgpu.SMEM((2, bk, d), dtype, transforms=tf),  # v in, dv staged
-            plgpu.SMEM((stages, qn, d), dtype, transforms=tf),
-            plgpu.SMEM((stages, qn, d), dtype, transforms=tf),
-            plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
-            plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
-            plgpu.SMEM((stages, bk), jnp.float32) if checks else None,
-            plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, max(n_rows, 4), bk), jnp.float32),
-            plgpu.SMEM((2, max(2 * len(names), 1), bk), jnp.int32),
-        )
-        bars = (  # one arrival per copy: q, lse (+ qs, qd, qm); do, δ (+ dos, dod)
-            plgpu.Barrier(num_arrivals=5 if checks else 2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=4 if checks else 2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),
-            plgpu.Barrier(num_barriers=max(2 * n_in, 1)),
-        )
-        _scoped(pl, plgpu, kernel, refs, smem, bars, stages)
-
-    kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-    row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
-    flat_flips = [a for n in names for a in flips[n]]
-    n_out = 4 if checks else 0  # ratio rows: scores_t, dp_t, dv, dk
-    launch = _launch(plgpu, entry, [kv_shape, kv_shape] + [row] * n_out, (kvh, s // (2 * bk), b), "kv_seq")
-    return launch(q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
-
-
 def _check_inputs(q, k, v, out, lse, do, causal: bool, cfg: FlashBwdConfig, name: str) -> None:
     b, t, h = q.shape[:3] if q.ndim == 4 else (None,) * 3
     if (
@@ -874,20 +642,21 @@ def flash_attention_bwd(
     c_dq, c_kv = (bd["c_dq"], bd["c_kv"]) if checks else (0.0, 0.0)
     k_rows = [bd["tol_st"], bd["tol_dpt"]] if checks else []
     k_tiles = [bd["qs"], bd["dos"], bd["qd"], bd["dod"], bd["qm"]] if checks else []
-    if _fused(q.shape[-1], cfg):
-        from ._flash_bwd_fused import fused_bwd_call
+    from ._flash_bwd_kv import dkv_call  # it builds on this module's kernel helpers
 
-        dq, dk, dv, rk, r_dq = fused_bwd_call(
-            q, k, v, dout, lse2, delta, k_rows, k_tiles + ([bd["kd"]] if checks else []),
-            {n: fl[n] for n in ("dq", *_K_GEMMS) if n in fl}, c_dq=c_dq, c_kv=c_kv, **kw,
-        )  # fmt: skip
-        return dq, dk, dv, (FlashBwdChecks(None, None, r_dq, *rk) if checks else None)
-    dq, *rq = _dq_call(
-        q, k, v, dout, q_rows, q_tiles, {n: fl[n] for n in _Q_GEMMS if n in fl}, c_sum=c_dq, **kw
-    )
-    dk, dv, *rk = _dkv_call(
-        q, k, v, dout, lse2, delta, k_rows, k_tiles, {n: fl[n] for n in _K_GEMMS if n in fl}, c_sum=c_kv, **kw
-    )
+    fused = _fused(q.shape[-1], cfg)
+    rq = []
+    if not fused:
+        dq, *rq = _dq_call(
+            q, k, v, dout, q_rows, q_tiles, {n: fl[n] for n in _Q_GEMMS if n in fl}, c_sum=c_dq, **kw
+        )
+    gemms = ("dq", *_K_GEMMS) if fused else _K_GEMMS
+    dq_f, dk, dv, rk, r_dq = dkv_call(
+        q, k, v, dout, lse2, delta, k_rows, k_tiles + ([bd["kd"]] if fused and checks else []),
+        {n: fl[n] for n in gemms if n in fl}, c_sum=c_kv, fused=fused, c_dq=c_dq, **kw,
+    )  # fmt: skip
+    if fused:
+        dq, rq = dq_f, [None, None, r_dq]
     return dq, dk, dv, (FlashBwdChecks(*rq, *rk) if checks else None)
 
 

@@ -1,4 +1,5 @@
-"""The flash backward in one kernel: dk, dv and dq from one pass over the key blocks.
+"""The flash backward's key-row kernel: dk and dv and their checks (the second of
+:mod:`._flash_bwd`'s two kernels), and with ``fused`` dq too, in one pass over the key blocks.
 
 :mod:`._flash_bwd`'s two kernels run seven GEMMs per (query block, key block) pair: the dq kernel
 recomputes s = q·kᵀ and dp = do·vᵀ that the dk/dv kernel forms again as sᵀ and dpᵀ. This kernel is
@@ -40,18 +41,37 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._flash import CS, _flip, _load, _ratio, _stream, _tile_sum
-from ._flash_bwd import _hilo, _own_inputs, _zeros
+from ._flash_bwd import _K_GEMMS, _hilo, _launch, _own_inputs, _scoped, _zeros
 
-__all__ = ["fused_bwd_call"]
+__all__ = ["dkv_call"]
 
 
-def fused_bwd_call(
-    q, k, v, do, lse2, delta, rows, tiles, flips, *, causal: bool, c: float, scale: float, checks: bool,
-    c_dq, c_kv, cfg,
-):  # fmt: skip
-    """(dq, dk, dv, key-row ratios, dq ratio). lse2, δ (B, H, T) f32; rows with checks: tol_st,
-    tol_dpt (B, KV, S) f32; tiles: qs, dos, qd, dod, qm, kd; flips: {gemm: (bit, col)} for
-    scores_t, dp_t, dv, dk (in the kernel) and dq (on the accumulated dq, before its check)."""
+def dkv_call(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    rows,
+    tiles,
+    flips,
+    *,
+    causal: bool,
+    c: float,
+    scale: float,
+    checks: bool,
+    c_sum,
+    cfg,
+    fused: bool = False,
+    c_dq=0.0,
+):
+    """(dq, dk, dv, key-row ratios, dq ratio): dk, dv and the key-row checks, and with ``fused`` dq
+    and its check (else None for both). lse2, δ (B, H, T) f32; rows with checks: tol_st, tol_dpt
+    (B, KV, S) f32; tiles: qs, dos, qd, dod, qm (fused: then kd); flips: {gemm: (bit, col)} for
+    scores_t, dp_t, dv, dk (fused: and dq, flipped on the accumulated dq before its check); c_sum:
+    the dv and dk checks' factor (times Σ p·‖do‖₁ and Σ_i Σ |ds|·max ‖q‖₁, measured); c_dq: the dq
+    check's (times Σ |ds|·‖k‖₁, measured)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -62,11 +82,12 @@ def fused_bwd_call(
     nq = t // bq
     stages = cfg.stages
     qn = bq + CS if checks else bq
-    dh = d // 2  # each warpgroup's half of dq's columns
     n_rows = len(rows)
-    names = [n for n in ("scores_t", "dp_t", "dv", "dk") if n in flips]
+    names = [n for n in _K_GEMMS if n in flips]
+    dh = d // 2  # fused: each warpgroup's half of dq's columns
+    n_in = n_rows + 2 * len(names)
     wl, cl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
-    n_t = 6 if checks else 0
+    n_t = (6 if fused else 5) if checks else 0
     diag = (2 * bk) // bq  # query blocks that overlap a CTA's keys (causal): the masked ones
 
     def kernel(refs, scoped):
@@ -74,12 +95,17 @@ def fused_bwd_call(
         row_refs = refs[6 : 6 + n_rows]
         tile_refs = refs[6 + n_rows : 6 + n_rows + n_t]
         flip_refs = refs[6 + n_rows + n_t : 6 + n_rows + n_t + 2 * len(names)]
-        dq_ref, cq_ref, mq_ref = refs[6 + n_rows + n_t + 2 * len(names) : 9 + n_rows + n_t + 2 * len(names)]
-        dk_ref, dv_ref, *r_refs = refs[9 + n_rows + n_t + 2 * len(names) :]
+        outs_at = 6 + n_rows + n_t + 2 * len(names)
+        if fused:  # the accumulators dq and the dq check's rows, updated in place
+            dq_ref, cq_ref, mq_ref = refs[outs_at : outs_at + 3]
+            outs_at += 3
+        dk_ref, dv_ref, *r_refs = refs[outs_at:]
         smem, bars, consumed = scoped
-        (k2, v2, q_smem, do_smem, qd_smem, dod_smem, qm_smem, lse_smem, dl_smem, rows_f, rows_i) = smem[:11]
-        ds_smem, abs_smem, dq_stage, kd_smem, crow = smem[11:]
-        q_bar, do_bar, in_bar, row_bar, ds_bars = bars
+        k2, v2, q_smem, do_smem, qd_smem, dod_smem, qm_smem, lse_smem, dl_smem, rows_f, rows_i = smem[:11]
+        q_bar, do_bar, in_bar, row_bar = bars[:4]
+        if fused:
+            ds_smem, abs_smem, dq_stage, kd_smem, crow = smem[11:]
+            ds_bars = bars[4]
         q_done, do_done = consumed
         batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         cta_base = lax.axis_index("kv_seq") * (2 * bk)
@@ -97,7 +123,7 @@ def fused_bwd_call(
             base = cta_base + wg * bk
             sl = (batch, pl.ds(base, bk), kv_head)
             own = [(k_ref.at[sl], ks), (v_ref.at[sl], vs)]
-            if checks:  # both halves' kd tiles: the dq check's wgmma reads all the CTA's keys
+            if fused and checks:  # both halves' kd tiles: the dq check's wgmma reads all the CTA's keys
                 cb = lax.axis_index("kv_seq") * 2
                 own += [(tile_refs[5].at[batch, kv_head, cb + j], kd_smem.at[wg, j]) for j in range(2)]
             rv, fl = _own_inputs(
@@ -105,8 +131,8 @@ def fused_bwd_call(
                 (batch, kv_head, pl.ds(base, bk)), row_refs, flip_refs, names, (rows_f, rows_i, row_bar),
             )  # fmt: skip
             zeros, row0 = _zeros(plgpu, bk)
-            # ds_bars[1] starts released: the first step's ds needs no earlier dq GEMM to finish.
-            plgpu.barrier_arrive(ds_bars.at[1])
+            if fused:  # ds_bars[1] starts released: the first step's ds needs no earlier dq GEMM done
+                plgpu.barrier_arrive(ds_bars.at[1])
 
             rows_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
             cols_b = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
@@ -177,18 +203,19 @@ def fused_bwd_call(
                     p = jnp.where(q_ids >= k_ids, p, 0.0)
                 p16 = p.astype(dtype)
                 ds = p * (dpt - cols_b(dl, (bk, bq)))
+                ds16 = ds.astype(dtype)
                 if checks:
                     # dk's magnitude: this block's Σ |ds| per key row times its largest ‖q‖₁.
                     mag_k = mag_k + jnp.abs(ds).sum(axis=1) * _load(plgpu, qm_smem.at[slot], rl)
-                ds16 = ds.astype(dtype)
-                # This step's ds for dq, once both warpgroups' dq GEMMs of the last step read theirs.
-                # (dk's GEMMs take ds from registers: from this tile they ran 0.4 ms slower.)
-                plgpu.barrier_wait(ds_bars.at[1])
-                ds_smem.at[wg][...] = ds16
-                if checks:
-                    abs_smem.at[wg][...] = jnp.abs(ds16)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_bars.at[0])
+                if fused:
+                    # This step's ds for dq, once both warpgroups' dq GEMMs of the last step read
+                    # theirs. (dk's GEMMs take ds from registers: from this tile they ran 0.4 ms slower.)
+                    plgpu.barrier_wait(ds_bars.at[1])
+                    ds_smem.at[wg][...] = ds16
+                    if checks:
+                        abs_smem.at[wg][...] = jnp.abs(ds16)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_bars.at[0])
 
                 def mms(refs):
                     dk_ref_, dv_ref_, c_ref = refs
@@ -205,22 +232,23 @@ def fused_bwd_call(
                 dk_acc, dv_acc, cc = pl.run_state(mms)((init(dk_acc), init(dv_acc), init(cc)))
                 plgpu.barrier_arrive(q_done.at[slot])
                 plgpu.barrier_arrive(do_done.at[slot])
-                plgpu.barrier_wait(ds_bars.at[0])
-                for w in range(2):
-                    pl.when(wg == w)(functools.partial(dq_step, w, head, i))
+                if fused:
+                    plgpu.barrier_wait(ds_bars.at[0])
+                    for w in range(2):
+                        pl.when(wg == w)(functools.partial(dq_step, w, head, i))
                 return dk_acc, dv_acc, cc, mag_k, r_st, r_dpt
 
             c8 = zeros((bk, CS)) if checks else None
             carry = (zeros((bk, d)), zeros((bk, d)), c8, row0() if checks else None, row0(), row0())
 
-            def head_loop(hh, carry):
+            def head(hh, carry):
                 n0 = hh * count
                 if causal:
                     carry = lax.fori_loop(n0, n0 + diag, functools.partial(step, masked=True), carry)
                     return lax.fori_loop(n0 + diag, n0 + count, functools.partial(step, masked=False), carry)
                 return lax.fori_loop(n0, n0 + count, functools.partial(step, masked=False), carry)
 
-            dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = lax.fori_loop(0, g, head_loop, carry)
+            dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
             for name in ("dv", "dk"):
                 if name in fl:
                     bit, col = fl[name]
@@ -232,11 +260,11 @@ def fused_bwd_call(
                         dk_acc = _flip(dk_acc, rows_b(bit, (bk, d)), hit)
             outs = []
             if checks:
-                r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cc), c_kv * _hilo(plgpu, cc, (2,)))
-                r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, cc, (3, 4)), c_kv * mag_k)
+                r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cc), c_sum * _hilo(plgpu, cc, (2,)))
+                r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, cc, (3, 4)), c_sum * mag_k)
                 outs = [r_st, r_dpt, r_dv, r_dk]
-            # The other warpgroup's last dq GEMM reads this one's k rows: wait before staging dk there.
-            plgpu.barrier_wait(ds_bars.at[1])
+            if fused:  # the other warpgroup's last dq GEMM reads this one's k rows: wait before staging
+                plgpu.barrier_wait(ds_bars.at[1])
             ks[...] = (dk_acc * scale).astype(dtype)
             vs[...] = dv_acc.astype(dtype)
             for i, r in enumerate(outs):
@@ -285,7 +313,6 @@ def fused_bwd_call(
 
     def entry(*refs):
         tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        tf32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         smem = (
             plgpu.SMEM((2, bk, d), dtype, transforms=tf),  # k in, dk staged on its way back
             plgpu.SMEM((2, bk, d), dtype, transforms=tf),  # v in, dv staged
@@ -298,33 +325,36 @@ def fused_bwd_call(
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, max(n_rows, 4), bk), jnp.float32),
             plgpu.SMEM((2, max(2 * len(names), 1), bk), jnp.int32),
-            plgpu.SMEM((2, bk, bq), dtype, transforms=tf),  # each warpgroup's ds (keys x queries)
-            plgpu.SMEM((2, bk, bq), dtype, transforms=tf) if checks else None,  # and its |ds|
-            plgpu.SMEM((2, bq, dh), jnp.float32, transforms=tf32),  # dq halves on their way out
-            plgpu.SMEM((2, 2, CS, bk), dtype, transforms=tf) if checks else None,  # kd per wg, per half
-            plgpu.SMEM((2, bq), jnp.float32) if checks else None,  # the dq check's rows
         )
-        n_in = n_rows + 2 * len(names)
-        bars = (  # one arrival per copy: q, lse (+ qs, qd, qm); do, δ (+ dos, dod)
+        if fused:
+            tf32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+            smem += (
+                plgpu.SMEM((2, bk, bq), dtype, transforms=tf),  # each warpgroup's ds (keys x queries)
+                plgpu.SMEM((2, bk, bq), dtype, transforms=tf) if checks else None,  # and its |ds|
+                plgpu.SMEM((2, bq, dh), jnp.float32, transforms=tf32),  # dq halves on their way out
+                plgpu.SMEM((2, 2, CS, bk), dtype, transforms=tf) if checks else None,  # kd per wg, per half
+                plgpu.SMEM((2, bq), jnp.float32) if checks else None,  # the dq check's rows
+            )
+        bars = (  # one arrival per copy: q, lse (+ qs, qd, qm); do, δ (+ dos, dod); k, v (+ kd x 2)
             plgpu.Barrier(num_arrivals=5 if checks else 2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=4 if checks else 2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=4 if checks else 2, num_barriers=2),
+            plgpu.Barrier(num_arrivals=4 if fused and checks else 2, num_barriers=2),
             plgpu.Barrier(num_barriers=max(2 * n_in, 1)),
-            # ds_bars: [0] both warpgroups wrote this step's ds, [1] both warpgroups' dq GEMMs read it
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),
         )
-        pl.run_scoped(
-            lambda *scoped: kernel(refs, scoped),
-            smem,
-            bars,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            collective_axes="wg",
-        )
+        if fused:  # ds_bars: [0] both warpgroups wrote this step's ds, [1] both dq GEMMs read it
+            bars += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
+        _scoped(pl, plgpu, kernel, refs, smem, bars, stages)
 
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
-    row_kv = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
+    row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
     n_out = 4 if checks else 0  # ratio rows: scores_t, dp_t, dv, dk
+    out_type = [kv_shape, kv_shape] + [row] * n_out
+    args = (q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
+    if not fused:
+        launch = _launch(plgpu, entry, out_type, (kvh, s // (2 * bk), b), "kv_seq")
+        dk, dv, *rk = launch(*args)
+        return None, dk, dv, rk, None
     # dq and the dq check's two rows are accumulated by reduce-adds: zeroed buffers the kernel
     # updates in place (mutable refs are aliased in and out of a Pallas kernel).
     dq_acc = jax.new_ref(jnp.zeros((b, t, h, d), jnp.float32))
@@ -333,13 +363,9 @@ def fused_bwd_call(
     mesh = plgpu.Mesh(
         grid=(kvh, s // (2 * bk), b), grid_names=("heads", "kv_seq", "batch"), num_threads=3, thread_name="wg"
     )
-    launch = pl.kernel(
-        entry,
-        out_type=[kv_shape, kv_shape] + [row_kv] * n_out,
-        mesh=mesh,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )
-    dk, dv, *rk = launch(q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips, dq_acc, cq, mq)
+    params = plgpu.CompilerParams(approx_math=True)
+    launch = pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params)
+    dk, dv, *rk = launch(*args, dq_acc, cq, mq)
     dq_f = dq_acc[...]
     r_dq = None
     if "dq" in flips:  # (B, H, T) sites on the (B, T, H, D) accumulator
