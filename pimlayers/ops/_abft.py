@@ -11,7 +11,7 @@ computed in f32 at HIGHEST precision. The check then compares the block sums of 
 a probabilistic rounding-error bound (Higham & Mary 2019; lam = 8 fails with probability about
 2.5e-14 per sum) plus the rounding of y to its storage dtype (u_y = 0 for f32, 2^-8 for bf16) and a
 floor for subnormal values, which a GEMM may flush to zero where the checks keep them
-(:func:`bound_floor`).
+(:func:`abft_bound`).
 |r1| > B1 or |r2| > n*B1 is "detected"; a single error with |r1| > 4 n B1 is located for certain
 (for a rounded y, B1 here leaves out the candidate column's own |y|: that value and its rounding are
 the one error the test assumes) and rebuilt from the checksum, and the rebuilt block must then pass
@@ -62,12 +62,16 @@ F32_ROUNDOFF = 2.0**-24
 _F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal f32, FLT_MIN
 
 
-def bound_floor(k: int, width) -> jax.Array | float:
-    """The bound's floor for subnormal values, ``(K + n + 2) · FLT_MIN`` (csrc/abft.h, AbftFloor):
-    a GEMM that flushes subnormal operands or products to zero where the checks keep them (or the
-    other way round) differs from them by up to FLT_MIN per product and sum, while a block of
-    subnormal values has a mag, and so a relative bound, that underflows to 0."""
-    return (k + width + 2.0) * _F32_TINY
+def abft_bound(mag, sum_abs, k: int, width, lam: float, u: float, u_y: float = 0.0):
+    """B1, a block's detection bound (csrc/abft.h, AbftBound): the accumulation's part, the rounding
+    of y to its storage dtype, and a floor for subnormal values, ``(K + n + 2) · FLT_MIN``: a GEMM that
+    flushes subnormal operands or products to zero where the checks keep them (or the other way
+    round) differs from them by up to FLT_MIN per product and sum, while a block of subnormal values
+    has a mag, and so a relative bound, that underflows to 0. ``width``: the block's n (an array for
+    ragged last blocks)."""
+    return (
+        lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag + u_y * sum_abs + (k + width + 2.0) * _F32_TINY
+    )
 
 
 class WeightChecksums(NamedTuple):
@@ -493,9 +497,8 @@ def abft_check_reference(
     sa = jnp.abs(yz).sum(-1)
     c1, c2 = checks[..., 0], checks[..., 1]
     u_y = 0.0 if y.dtype == jnp.float32 else UNIT_ROUNDOFF[jnp.dtype(y.dtype)]
-    floor = bound_floor(k, width)
-    rel = lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag  # the accumulation's part of B1
-    b1 = rel + u_y * sa + floor
+    bound = lambda sum_abs: abft_bound(mag, sum_abs, k, width, lam, u, u_y)
+    b1 = bound(sa)
     r1, r2 = s1 - c1, s2 - c2
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
@@ -505,7 +508,7 @@ def abft_check_reference(
         jc = jnp.clip(jl, 0, bn - 1).astype(jnp.int32)[..., None]
         yj = jnp.take_along_axis(yz, jc, axis=-1)[..., 0]
         rest = jnp.maximum(sa - jnp.abs(yj), 0.0)
-        b1_loc = rel + u_y * rest + floor
+        b1_loc = bound(rest)
     # A single error leaves r2 = (jl + 1) r1 up to rounding (csrc/abft.h; the sums here are f32, so
     # the rounding term uses f32's epsilon); two errors of very different size do not.
     tol = 2.0 * width * b1_loc + 4.0 * width * width * jnp.abs(r1) * float(np.finfo(np.float32).eps)
@@ -532,7 +535,7 @@ def abft_check_reference(
     # second, smaller error can hide behind a huge one in the location test's tolerance.
     rest = jnp.where(at, 0.0, yz)
     r2_fixed = (rest * (col + 1).astype(jnp.float32)).sum(-1) + (loc + 1).astype(jnp.float32) * value - c2
-    b1_fixed = rel + u_y * (jnp.abs(rest).sum(-1) + jnp.abs(value)) + floor
+    b1_fixed = bound(jnp.abs(rest).sum(-1) + jnp.abs(value))
     rebuilt_ok = jnp.isfinite(value) & (
         jnp.abs(r2_fixed) <= width * (b1_fixed + jnp.abs(value) * float(np.finfo(np.float32).eps))
     )

@@ -18,15 +18,13 @@ and only the independent checks c disagree.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, BFloat16, Float, Int32
 
 from ..faults._inject import GemmFaults, flip_sites
-from ._abft import ABFT_CLEAN, ABFT_DETECTED, F32_ROUNDOFF, bound_floor
+from ._abft import ABFT_CLEAN, ABFT_DETECTED, F32_ROUNDOFF, abft_bound
 from ._fused_gemm import TILE, block_sums
 
 __all__ = ["REDO_TILES", "fused_flags", "inject_fused", "redo_tiles"]
@@ -43,7 +41,7 @@ def fused_flags(
 ) -> Int32[Array, "m nb"]:
     """ABFT_DETECTED where a block's sums disagree with its checks beyond the bound, else ABFT_CLEAN."""
     s1, s2 = sums[0].T, sums[1].T
-    b1 = lam * F32_ROUNDOFF * (math.sqrt(k) + math.sqrt(TILE) + 2.0) * mag + bound_floor(k, TILE)
+    b1 = abft_bound(mag, 0.0, k, float(TILE), lam, F32_ROUNDOFF)  # the f32 accumulator: no u_y term
     c1, c2 = c[..., 0], c[..., 1]
     finite = jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag) & jnp.isfinite(s1) & jnp.isfinite(s2)
     # Written so a NaN anywhere (sums, checks, bound) lands on "detected".

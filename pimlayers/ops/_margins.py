@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._abft import bound_floor
+from ._abft import abft_bound
 from ._common import UNIT_ROUNDOFF
 
 __all__ = ["CheckMargin", "MarginLog", "check_margins"]
@@ -104,11 +103,7 @@ def record(role: str, y, checks, mag, dtype, *, k: int, block_n: int | None, lam
     yz = jnp.where(finite, yb, 0.0)
     col = jnp.arange(1, block_n + 1, dtype=jnp.float32).reshape(1, 1, 1, block_n)
     s1, s2 = yz.sum(-1), (yz * col).sum(-1)
-    b1 = (
-        lam * u * (math.sqrt(k) + jnp.sqrt(width) + 2.0) * mag
-        + u_y * jnp.abs(yz).sum(-1)
-        + bound_floor(k, width)
-    )
+    b1 = abft_bound(mag, jnp.abs(yz).sum(-1), k, width, lam, u, u_y)
     ok = jnp.isfinite(checks).all(-1) & jnp.isfinite(mag)
     ratio = jnp.maximum(jnp.abs(s1 - checks[..., 0]) / b1, jnp.abs(s2 - checks[..., 1]) / (width * b1))
     ratio = jnp.where(ok & (b1 > 0), ratio, 0.0)
