@@ -26,10 +26,11 @@ B = 1, T = 8192, 32/8 heads, causal): 8.17 ms with the checks against the two ke
 spills registers in it (``MOSAIC_GPU_DUMP_PTXAS=1``: 1324 bytes of spill stores with the checks,
 440 without; the two kernels' larger one spills 260 and 76), where the dq accumulator (32 registers
 per thread) and the dq check's accumulator are live beside dk's and dv's. Taking dk's ds from the
-shared tile instead of registers made it slower (4.03 ms without checks). Not measured, likely: the
-two barriers per step hold both warpgroups in step, where the two kernels' warpgroups drift apart
-and one's softmax overlaps the other's GEMMs. FlashAttention-3 schedules the two warpgroups'
-GEMMs and softmax in explicit ping-pong and overlaps each step's softmax with the next GEMMs.
+shared tile instead of registers made it slower (4.03 ms without checks; a probe, not kept). Not
+measured, likely: the two barriers per step hold both warpgroups in step, where the two kernels'
+warpgroups drift apart and one's softmax overlaps the other's GEMMs. FlashAttention-3 schedules the
+two warpgroups' GEMMs and softmax in explicit ping-pong and overlaps each step's softmax with the
+next GEMMs.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def dkv_call(
                     mag_k = mag_k + jnp.abs(ds).sum(axis=1) * _load(plgpu, qm_smem.at[slot], rl)
                 if fused:
                     # This step's ds for dq, once both warpgroups' dq GEMMs of the last step read
-                    # theirs. (dk's GEMMs take ds from registers: from this tile they ran 0.4 ms slower.)
+                    # theirs. (dk's GEMMs take ds from registers: from this tile they ran 0.4 ms
+                    # slower in a probe.)
                     plgpu.barrier_wait(ds_bars.at[1])
                     ds_smem.at[wg][...] = ds16
                     if checks:
