@@ -122,7 +122,8 @@ def parse_sass(text: str) -> list[dict]:
 
 def label_kernels(details: list[dict], launches: list[dict]) -> list[str]:
     """A label per profiled kernel from the probe's calls (each: ``label`` and ``kernels``, {name:
-    grid}): a call's kernels are matched to the next profiled kernels by grid size."""
+    grid}): a call's kernels are matched to the next profiled kernels by grid size, or where two of
+    them share a grid (no GQA) named by launch order ("kernel 1", "kernel 2")."""
     labels, at = [], 0
     for call in launches:
         want = dict(call["kernels"])
@@ -131,11 +132,17 @@ def label_kernels(details: list[dict], launches: list[dict]) -> list[str]:
             raise ValueError(
                 f"benchmarks.ncu: {call['label']} launched {len(got)} kernels; expected {len(want)}"
             )
-        for k in got:
-            name = next((n for n, g in want.items() if g == k.get("grid")), None)
-            if name is None:  # equal grids (no GQA): launch order
-                name = next(iter(want))
-            want.pop(name)
+        by_grid = {g: n for n, g in want.items()}
+        for j, k in enumerate(got):
+            if len(by_grid) < len(want):
+                name = f"kernel {j + 1}"
+            elif k.get("grid") in by_grid:
+                name = by_grid[k.get("grid")]
+            else:
+                raise ValueError(
+                    f"benchmarks.ncu: {call['label']} launched a grid of {k.get('grid')} blocks; "
+                    f"expected one of {sorted(by_grid)}"
+                )
             labels.append(f"{call['label']}: {name}" if name else call["label"])
         at += len(got)
     return labels
@@ -181,6 +188,20 @@ def rows_from(details: list[dict], sass: list[dict], labels: list[str], top: int
             }
         )
     return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """Two lines per row: kernel, ms, instructions (M) and registers; then its top opcodes (M)."""
+    out = []
+    for r in rows:
+        add = "what the checks add" in r["kernel"]
+        regs = f"  {r['registers']:.0f} registers" if r.get("registers") is not None else ""
+        ops_m = ", ".join(f"{k} {v:+.1f}" if add else f"{k} {v:.1f}" for k, v in r["top_opcodes_m"].items())
+        out.append(
+            f"{r['kernel']:<40} {r['ms'] or 0:8.3f} ms {r['instructions_m']:9.1f} M instructions{regs}"
+        )
+        out.append(f"{'':<40} by opcode (M): {ops_m}")
+    return "\n".join(out)
 
 
 def _probe(args) -> None:
@@ -276,8 +297,7 @@ def main(argv=None) -> None:
             f"benchmarks.ncu: {len(details)} kernels in the details page, {len(sass)} in the SASS page"
         )
     rows = rows_from(details, sass, label_kernels(details, launches))
-    for r in rows:
-        print(json.dumps(r))
+    print(format_rows(rows))
     if args.save:
         from ._harness import write_result
 

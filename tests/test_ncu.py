@@ -94,6 +94,14 @@ def test_kernels_are_labelled_by_call_and_the_backwards_by_grid():
     ]
     with pytest.raises(ValueError, match="launched 1 kernels; expected 2"):
         ncu.label_kernels(details[:2], launches[:2] + launches[1:2])
+    with pytest.raises(ValueError, match="a grid of 999 blocks"):
+        ncu.label_kernels([{"grid": 2048}, {"grid": 999}], launches[1:2])
+    # H == KV: the two backward kernels share a grid, so they are numbered in launch order.
+    same = [{"label": "backward, checks", "kernels": {"dq": 512, "dk/dv": 512}}]
+    assert ncu.label_kernels([{"grid": 512}] * 2, same) == [
+        "backward, checks: kernel 1",
+        "backward, checks: kernel 2",
+    ]
 
 
 def test_rows_add_what_the_checks_add_per_kernel():
@@ -109,6 +117,9 @@ def test_rows_add_what_the_checks_add_per_kernel():
     assert add["ms"] == pytest.approx(0.1) and add["instructions_m"] == pytest.approx(59.0)
     assert add["top_opcodes_m"]["LDC"] == pytest.approx(0.02)  # 24,576 more: the unchecked kernel has none
     assert rows[0]["hgmma_m"] == {"64x136x16": 4.26, "64x8x16": 4.26}
+    text = ncu.format_rows(rows).splitlines()
+    assert len(text) == 6 and text[0].startswith("forward, checks") and "345.0 M instructions" in text[0]
+    assert "LDC +0.0" in text[5]  # the additions are signed
 
 
 def test_without_ncu_it_says_so(monkeypatch):
