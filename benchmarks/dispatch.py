@@ -12,27 +12,13 @@ GEMM's. On a CPU of two cores the dispatch runs on the cores the GEMM computes o
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy
 
-
-def _per_call(fn, args, calls: int, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+from ._harness import time_fn
 
 
 def run(m: int = 8, k: int = 128, n: int = 128, calls: int = 2000, repeats: int = 5) -> list[dict]:
@@ -53,7 +39,7 @@ def run(m: int = 8, k: int = 128, n: int = 128, calls: int = 2000, repeats: int 
         ),
     }
     shape = f"{m}x{k}->{n} float32"
-    times = {name: _per_call(fn, (x, w, enc), calls, repeats) for name, fn in fns.items()}
+    times = {name: time_fn(fn, x, w, enc, warmup=1, iters=calls, repeats=repeats) for name, fn in fns.items()}
     plain = times["plain GEMM"]
     return [
         dict(op=name, shape=shape, calls=calls, us_per_call=t * 1e6, vs_plain=t / plain)

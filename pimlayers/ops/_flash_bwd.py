@@ -650,7 +650,7 @@ def flash_attention_bwd(
         dq, *rq = _dq_call(
             q, k, v, dout, q_rows, q_tiles, {n: fl[n] for n in _Q_GEMMS if n in fl}, c_sum=c_dq, **kw
         )
-    gemms = ("dq", *_K_GEMMS) if fused else _K_GEMMS
+    gemms = bwd_gemms(q.shape[-1], cfg) if fused else _K_GEMMS  # the dk/dv kernel's
     dq_f, dk, dv, rk, r_dq = dkv_call(
         q, k, v, dout, lse2, delta, k_rows, k_tiles + ([bd["kd"]] if fused and checks else []),
         {n: fl[n] for n in gemms if n in fl}, c_sum=c_kv, fused=fused, c_dq=c_dq, **kw,

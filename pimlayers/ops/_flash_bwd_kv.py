@@ -282,35 +282,27 @@ def dkv_call(
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def load_q(n, slot):
-                head, i = block_of(n)
-                rs = pl.ds(i * bq, bq)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, rs, head], q_smem.at[slot, pl.ds(0, bq)], q_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rs], lse_smem.at[slot], q_bar.at[slot])
-                if checks:
-                    plgpu.copy_gmem_to_smem(
-                        tile_refs[0].at[batch, head, i], q_smem.at[slot, pl.ds(bq, CS)], q_bar.at[slot]
-                    )
-                    plgpu.copy_gmem_to_smem(tile_refs[2].at[batch, head, i], qd_smem.at[slot], q_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(tile_refs[4].at[batch, head, i], qm_smem.at[slot], q_bar.at[slot])
+            def loader(x_ref, x_smem, row_ref, row_smem, bar, sums, tiles):
+                """Step n's query block of x (q or do) into ``slot``, its per-row f32 input, and with
+                the checks its block-sum tile (``sums``) below the block, then ``tiles``: (tile
+                input, its smem) pairs; every copy on ``bar``."""
 
-            def load_do(n, slot):
-                head, i = block_of(n)
-                rs = pl.ds(i * bq, bq)
-                plgpu.copy_gmem_to_smem(
-                    do_ref.at[batch, rs, head], do_smem.at[slot, pl.ds(0, bq)], do_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rs], dl_smem.at[slot], do_bar.at[slot])
-                if checks:
-                    plgpu.copy_gmem_to_smem(
-                        tile_refs[1].at[batch, head, i], do_smem.at[slot, pl.ds(bq, CS)], do_bar.at[slot]
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        tile_refs[3].at[batch, head, i], dod_smem.at[slot], do_bar.at[slot]
-                    )
+                def load(n, slot):
+                    head, i = block_of(n)
+                    rs = pl.ds(i * bq, bq)
+                    copy = lambda src, dst: plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
+                    copy(x_ref.at[batch, rs, head], x_smem.at[slot, pl.ds(0, bq)])
+                    copy(row_ref.at[batch, head, rs], row_smem.at[slot])
+                    if checks:
+                        copy(sums.at[batch, head, i], x_smem.at[slot, pl.ds(bq, CS)])
+                        for src, dst in tiles:
+                            copy(src.at[batch, head, i], dst.at[slot])
 
+                return load
+
+            t = tile_refs if checks else [None] * 5
+            load_q = loader(q_ref, q_smem, lse_ref, lse_smem, q_bar, t[0], [(t[2], qd_smem), (t[4], qm_smem)])
+            load_do = loader(do_ref, do_smem, delta_ref, dl_smem, do_bar, t[1], [(t[3], dod_smem)])
             _stream(pl, plgpu, steps, stages, [(q_done, load_q), (do_done, load_do)])
 
     def entry(*refs):

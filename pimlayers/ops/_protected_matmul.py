@@ -54,7 +54,6 @@ from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, ho
 from ._gate import gate
 
 __all__ = [
-    "REPORT_FIELDS",
     "TRANSPOSED_CHECKSUMS",
     "protected_bmm",
     "protected_bmm_grads",
@@ -63,8 +62,6 @@ __all__ = [
     "report_from_tap",
     "zero_tap",
 ]
-
-REPORT_FIELDS = FaultReport.FIELDS
 
 # The name (``jax.ad_checkpoint.checkpoint_name``) of the checksum columns of wᵀ that a protected
 # GEMM being differentiated encodes in its forward pass, with w's own, for its backward's dx
@@ -75,7 +72,7 @@ TRANSPOSED_CHECKSUMS = "pimlayers.transposed_checksums"
 
 def zero_tap() -> jax.Array:
     """The ``tap`` argument: zeros whose gradient is the backward pass's FaultReport."""
-    return jnp.zeros((len(REPORT_FIELDS),), jnp.float32)
+    return jnp.zeros((len(FaultReport.FIELDS),), jnp.float32)
 
 
 def report_from_tap(g: jax.Array) -> FaultReport:
