@@ -90,16 +90,24 @@ def test_a_flip_below_the_rounding_bound_passes():
 
 
 def test_bounds_shapes_and_tiles():
-    q, k, v = _qkv()
-    ks, vs, tol_s, tol_o = ops._flash.flash_bounds(q, k, v, lam=8.0)
+    _, k, v = _qkv()
+    ks, vs, km = ops._flash.flash_bounds(k, v, lam=8.0)
     nb = T // ops.FlashConfig().block_kv
-    assert ks.shape == (B, KV, nb, 8, D) and vs.shape == (B, KV, nb, 8, 128)
-    assert tol_s.shape == tol_o.shape == (B, H, T)
+    assert ks.shape == (B, KV, nb, 8, D) and vs.shape == (B, KV, nb, 8, 128) and km.shape == (B, KV, 8, D)
+    hilo = lambda tile, i: tile[..., i, :].astype(jnp.float32) + tile[..., i + 1, :].astype(jnp.float32)
     # hi + lo carries the key block sums to 2^-16 relative; the value tile's third row is ones.
     kf = k.astype(jnp.float32).reshape(B, nb, 128, KV, D).sum(2).transpose(0, 2, 1, 3)
-    got = ks[:, :, :, 0].astype(jnp.float32) + ks[:, :, :, 1].astype(jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(kf), rtol=2**-16, atol=1e-6)
-    assert bool(jnp.all(vs[:, :, :, 2] == 1)) and bool(jnp.all(vs[:, :, :, 3:] == 0))
+    np.testing.assert_allclose(np.asarray(hilo(ks, 0)), np.asarray(kf), rtol=2**-16, atol=1e-6)
+    assert bool(jnp.all(vs[:, :, :, 2] == 1)) and bool(jnp.all(vs[:, :, :, 5:] == 0))
+    assert bool(jnp.all(ks[:, :, :, 2:] == 0)) and bool(jnp.all(km[:, :, 2:] == 0))
+    # The bounds' factors: c_qk kmax (kmax = the largest |key block| sum per D) and c_pv vmax (the
+    # largest sum over D of |v| of a key), the latter in every key's column.
+    c_qk, c_pv = ops._flash._bound_consts(D, T, 128, 8.0)
+    kabs = jnp.abs(k.astype(jnp.float32)).reshape(B, nb, 128, KV, D).sum(2).max(1)
+    np.testing.assert_allclose(np.asarray(hilo(km, 0)), np.asarray(c_qk * kabs), rtol=2**-16)
+    vmax = jnp.abs(v.astype(jnp.float32)).sum(-1).max(1)  # (B, KV)
+    want = jnp.broadcast_to((c_pv * vmax)[:, :, None, None], (B, KV, nb, 128))
+    np.testing.assert_allclose(np.asarray(hilo(vs, 3)), np.asarray(want), rtol=2**-16)
 
 
 def test_kernel_errors():

@@ -10,11 +10,12 @@ verified per query row, EFTA-style (Xu et al., "EFTA: efficient fault-tolerant a
   scores' own wgmma: the key tile in shared memory is extended by an 8-row tile [hi(ksum_j),
   lo(ksum_j), 0 x 6] (hi + lo is ksum_j to 2^-18 relative), so N = block_kv + 8
   (``FlashConfig.fuse_e``; else a second wgmma with N = 8, the smallest).
-* out = p·v: each step also multiplies the bf16 probabilities by [hi(vsum), lo(vsum), 1, 0 x 5]ᵀ
-  (vsum = each key's value row summed over D) into a small accumulator rescaled with the output's;
-  at the end the output accumulator's row sums must equal its first two columns. Its third column
-  is the sum of the bf16 probabilities, which serves as the softmax's normaliser l (the softmax's
-  own f32 row sum is skipped when checking): the output is then exactly sum p16·v / sum p16.
+* out = p·v: each step also multiplies the bf16 probabilities by [hi(vsum), lo(vsum), 1,
+  hi(c vmax), lo(c vmax), 0 x 3]ᵀ (vsum = each key's value row summed over D) into a small
+  accumulator rescaled with the output's; at the end the output accumulator's row sums must equal
+  its first two columns. Its third column is the sum of the bf16 probabilities, which serves as the
+  softmax's normaliser l (the softmax's own f32 row sum is skipped when checking): the output is
+  then exactly sum p16·v / sum p16. Its fourth and fifth are the check's bound, c vmax l.
 
 Both comparisons use a rounding-error bound (``lam`` as in :class:`pimlayers.FaultPolicy`):
 
@@ -27,7 +28,12 @@ own f32 accumulation); the 64 covers the hi/lo split of the checksums, the S/blo
 output's per-step rescaling. The kernel writes, per query row, the worse ratio |difference| / bound
 of each check (NaN or Inf counts as infinitely bad); a row above 1 was hit by a fault.
 :func:`pimlayers.layers.attention_core` turns that into a recompute and a FaultReport. The bounds'
-inputs (checksum tiles, |q|·kmax, vmax) come from XLA (``flash_bounds``).
+inputs come from XLA (``flash_bounds``, from k and v alone): the checksum tiles, kmax and vmax. The
+kernel forms |q|·kmax itself, once per warpgroup, on the tensor cores from the q tile it holds
+(|q| in registers times an 8-row tile [hi(c kmax), lo(c kmax), 0 x 6]): XLA's pass over q for it
+was the bounds' largest kernel (0.020 of 0.049 ms at B = 1, T = 8192, 32/8 heads on an H200).
+A fault that inflated a bound (in those small products, or in the out check's columns 4 and 5)
+could hide only a second, simultaneous fault in the same row, as the tensor cores' l could before.
 
 Fault injection (tests, benchmarks): per query row, one bit of one scores value (at a key) and one
 of one output accumulator value (at a column, after the last step) can be flipped inside the kernel,
@@ -142,31 +148,39 @@ def _tile_sum(acc8):
     return acc8.sum(axis=1)
 
 
-def _tile(hi: jax.Array, lo: jax.Array, ones: bool = False) -> jax.Array:
-    """(..., n) hi and lo -> (..., CS, n): rows hi, lo, (ones,) then zeros."""
-    rows = [hi[..., None, :], lo[..., None, :]]
-    if ones:
-        rows.append(jnp.ones_like(hi)[..., None, :])
+def _tile(hi: jax.Array, lo: jax.Array, *more: jax.Array) -> jax.Array:
+    """(..., n) hi, lo and any further rows -> (..., CS, n): those rows, then zeros."""
+    rows = [r[..., None, :] for r in (hi, lo, *more)]
     rows.append(jnp.zeros((*hi.shape[:-1], CS - len(rows), hi.shape[-1]), hi.dtype))
     return jnp.concatenate(rows, axis=-2)
 
 
-def flash_bounds(q, k, v, *, lam: float, config: FlashConfig | None = None):
-    """The checksum tiles and per-row bounds the kernel reads, from XLA (all small next to q, k, v).
+def _bound_consts(d: int, s: int, bk: int, lam: float) -> tuple[float, float]:
+    """The scores' and the output's bound factors (the module docstring's): times |q|·kmax and
+    l·vmax."""
+    u = 2.0**-24
+    nb = s // bk
+    c_qk = u * (lam * (2 * math.sqrt(d) + math.sqrt(bk) + 2) + 64)
+    c_pv = u * (lam * (math.sqrt(s) + math.sqrt(d) + 2) + 64 + 2 * nb) * (1 + 2.0**-7)
+    return c_qk, c_pv
 
-    Returns ``(ks, vs, tol_scores, tol_out)``: ks (B, KV, S/bk, CS, D) and vs (B, KV, S/bk, CS, bk)
-    in the operands' dtype, tol_scores (B, H, T) f32 (the scores bound itself) and tol_out (B, H, T)
-    f32 (the output bound's factor: times l in the kernel).
+
+def flash_bounds(k, v, *, lam: float, config: FlashConfig | None = None):
+    """The checksum and bound tiles the kernel reads, from XLA (all small next to k and v).
+
+    Returns ``(ks, vs, km)`` in the operands' dtype: ks (B, KV, S/bk, CS, D) each key block's sum
+    (hi, lo); vs (B, KV, S/bk, CS, bk) each key's value row sum (hi, lo), ones, and the output
+    bound's factor c_pv·vmax (hi, lo), the same in every column; km (B, KV, CS, D) the scores bound's
+    c_qk·kmax (hi, lo), which the kernel multiplies by |q|.
     """
     cfg = config or FlashConfig()
     # The checksums must be of the bf16 values the kernel reads. Without the barrier XLA may fuse the
     # operands' producer (say RoPE in f32, then rounded) into these sums and elide the rounding: on
     # an H200, every remat-recomputed forward of a Llama step then failed its scores check.
-    q, k, v = lax.optimization_barrier((q, k, v))
-    b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    nb, bk, g = s // cfg.block_kv, cfg.block_kv, h // kvh
-    u = 2.0**-24
+    k, v = lax.optimization_barrier((k, v))
+    b, s, kvh, d = k.shape
+    nb, bk = s // cfg.block_kv, cfg.block_kv
+    c_qk, c_pv = _bound_consts(d, s, bk, lam)
     vf = v.astype(jnp.float32)
     # The sums, materialised before the tiles are built: fused into the tiles' concatenation, XLA
     # recomputed the value sums per output element (0.115 ms on an H200 at T = 8192, 8 KV heads).
@@ -174,18 +188,13 @@ def flash_bounds(q, k, v, *, lam: float, config: FlashConfig | None = None):
         (_block_sums(k, bk), jnp.sum(vf, axis=-1), jnp.sum(jnp.abs(vf), axis=-1))
     )
     ks_hi, ks_lo = _split(ksum.transpose(0, 2, 1, 3))  # (B, KV, nb, D)
-    kmax = jnp.max(kabs, axis=1)  # (B, KV, D)
+    km_hi, km_lo = _split(c_qk * jnp.max(kabs, axis=1))  # (B, KV, D)
     vs_hi, vs_lo = _split(vsum.reshape(b, nb, bk, kvh).transpose(0, 3, 1, 2))  # (B, KV, nb, bk)
-    vmax = jnp.max(vabs, axis=1)  # (B, KV)
-    # |q|·kmax for every row, in f32 (not TF32): f32 products summed over D in one reduction that
-    # reads q once in its own layout (as a dot_general XLA may lay q out per head first). Its value
-    # is that of the dot at HIGHEST to a relative 2^-17 at D = 128, far inside the bound's slack.
-    kmax_h = jnp.repeat(kmax, g, axis=1)  # (B, H, D)
-    mag = jnp.sum(jnp.abs(q).astype(jnp.float32) * kmax_h[:, None], axis=-1).transpose(0, 2, 1)  # (B, H, T)
-    c_qk = u * (lam * (2 * math.sqrt(d) + math.sqrt(bk) + 2) + 64)
-    c_pv = u * (lam * (math.sqrt(s) + math.sqrt(d) + 2) + 64 + 2 * nb) * (1 + 2.0**-7)
-    tol_out = jnp.broadcast_to((c_pv * jnp.repeat(vmax, g, axis=1))[:, :, None], (b, h, t))
-    return _tile(ks_hi, ks_lo), _tile(vs_hi, vs_lo, ones=True), c_qk * mag, tol_out
+    vm_hi, vm_lo = (
+        jnp.broadcast_to(x[:, :, None, None], vs_hi.shape) for x in _split(c_pv * jnp.max(vabs, axis=1))
+    )
+    ones = jnp.ones_like(vs_hi)
+    return _tile(ks_hi, ks_lo), _tile(vs_hi, vs_lo, ones, vm_hi, vm_lo), _tile(km_hi, km_lo)
 
 
 def _block_sums(x, n: int):
@@ -274,8 +283,8 @@ def _kernel_call(
     inject: bool,
     cfg: FlashConfig,
 ):
-    """The pallas kernel. ``extras``: (ks, vs, tol_scores, tol_out) if ``checks``, then the four
-    FlashFaults arrays if ``inject``. Returns out, lse (base 2, of the scaled scores) and, with
+    """The pallas kernel. ``extras``: (ks, vs, km) (:func:`flash_bounds`) if ``checks``, then the
+    four FlashFaults arrays if ``inject``. Returns out, lse (base 2, of the scaled scores) and, with
     checks, the two ratio rows."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -300,13 +309,11 @@ def _kernel_call(
         outs = refs[3 + len(extras) :]
         out_ref, lse_ref = outs[:2]
         if checks:
-            ks_ref, vs_ref = ins[:2]
+            ks_ref, vs_ref, km_ref = ins[:3]
             rqk_ref, rpv_ref = outs[2:4]
-        row_in = list(ins[2:4]) if checks else []
-        if inject:
-            row_in += list(ins[4:8])
+        flip_in = list(ins[3:7]) if inject else []
         smem, bars, consumed, schedule_barrier = scoped
-        qo2, k_smem, v_smem, ks_smem, vs_smem, rows_f, rows_i = smem
+        qo2, k_smem, v_smem, ks_smem, vs_smem, km_smem, rows_f, rows_i = smem
         k_bar, v_bar, ks_bar, vs_bar, q_bar, row_bar = bars
         k_done, v_done = consumed
         batch = lax.axis_index("batch")
@@ -329,17 +336,24 @@ def _kernel_call(
             base = lax.axis_index("q_seq") * (2 * bq) + wg * bq
             rows = pl.ds(base, bq)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], qo, q_bar.at[wg])
-            # Per-row inputs: the two bounds (f32), then the injection sites (int32).
-            dsts = ([rows_f.at[wg, 0], rows_f.at[wg, 1]] if checks else []) + (
-                [rows_i.at[wg, i] for i in range(4)] if inject else []
-            )
-            for i, (src, dst) in enumerate(zip(row_in, dsts, strict=True)):
-                plgpu.copy_gmem_to_smem(src.at[batch, q_head, rows], dst, row_bar.at[wg * 6 + i])
+            # The scores bound's tile (checks), then the per-row injection sites (int32).
+            kv_head = lax.div(q_head, jnp.array(g, q_head.dtype))
+            copies = [(km_ref.at[batch, kv_head], km_smem.at[wg])] if checks else []
+            copies += [(src.at[batch, q_head, rows], rows_i.at[wg, i]) for i, src in enumerate(flip_in)]
+            for i, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, row_bar.at[wg * 6 + i])
             plgpu.barrier_wait(q_bar.at[wg])
-            for i in range(len(row_in)):
+            for i in range(len(copies)):
                 plgpu.barrier_wait(row_bar.at[wg * 6 + i])
             if checks:
-                tol_qk, tol_pv = (_load(plgpu, rows_f.at[wg, i], row_layout) for i in range(2))
+                # The scores bound, |q|·(c_qk kmax) per row, while the first key block loads: the q
+                # tile in registers (bf16 |x| is exact) against the bound's tile, as the output
+                # check's p16 against the value tile.
+                def compute_mag(m_ref):
+                    plgpu.wgmma(m_ref, jnp.abs(qo[...]), km_smem.at[wg].transpose((1, 0)))
+                    return m_ref[...]
+
+                tol_qk = _tile_sum(pl.run_scoped(compute_mag, plgpu.ACC((bq, CS), jnp.float32)))
             if inject:
                 sbit, skey, obit, ocol = (_load(plgpu, rows_i.at[wg, i], row_layout) for i in range(4))
 
@@ -469,10 +483,10 @@ def _kernel_call(
                 col8 = plgpu.broadcasted_iota(jnp.int32, (bq, CS), 1, layout=wgmma_layout)
                 cs = jnp.where(col8 < 2, cacc, 0.0).sum(axis=1)
                 l_i = jnp.where(col8 == 2, cacc, 0.0).sum(axis=1)
-                r_pv = _ratio(acc.sum(axis=1) - cs, tol_pv * l_i)
+                tol_pv = jnp.where((col8 == 3) | (col8 == 4), cacc, 0.0).sum(axis=1)  # c_pv vmax l
+                r_pv = _ratio(acc.sum(axis=1) - cs, tol_pv)
             acc /= lax.broadcast_in_dim(l_i, (bq, d), [0])
             qo[...] = acc.astype(dtype)
-            # The per-row f32 buffer's rows were read into registers above: reused for the outputs.
             lse_s = rows_f.at[wg, 0]
             lse_s[...] = m_i + jnp.log(l_i) * (1.0 / math.log(2.0))
             if checks:
@@ -523,7 +537,8 @@ def _kernel_call(
             plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
             plgpu.SMEM((stages, CS, d), dtype, transforms=tf) if checks and not fuse_e else None,
             plgpu.SMEM((stages, CS, bk), dtype, transforms=tf) if checks else None,
-            plgpu.SMEM((2, 3, bq), jnp.float32),  # per warpgroup: bounds in; lse and ratios out
+            plgpu.SMEM((2, CS, d), dtype, transforms=tf) if checks else None,  # per warpgroup: km
+            plgpu.SMEM((2, 3, bq), jnp.float32),  # per warpgroup: lse and ratios out
             plgpu.SMEM((2, 4, bq), jnp.int32) if inject else None,
         ]
         bars = (
@@ -636,7 +651,7 @@ def flash_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     extras: tuple = ()
     if checks:
-        extras = flash_bounds(q, k, v, lam=lam, config=cfg)
+        extras = flash_bounds(k, v, lam=lam, config=cfg)
     if faults is not None:
         extras += tuple(a.astype(jnp.int32) for a in faults)
     res = _kernel_call(
@@ -673,7 +688,11 @@ def flash_attention_reference(
     if faults is not None:
         _check_faults(q, faults)
     hi = lax.Precision.HIGHEST
-    ks, vs, tol_qk, tol_pv = flash_bounds(q, k, v, lam=lam, config=cfg)
+    ks, vs, km = flash_bounds(k, v, lam=lam, config=cfg)
+    f32 = lambda tile, i: tile[..., i, :].astype(jnp.float32)  # one row of a checksum tile
+    # The scores bound: |q| against km's hi + lo (the kernel's small wgmma).
+    kmh = jnp.repeat(f32(km, 0) + f32(km, 1), g, axis=1)  # (B, H, D)
+    tol_qk = jnp.einsum("bthd,bhd->bht", jnp.abs(q).astype(jnp.float32), kmh, precision=hi)
     kh = jnp.repeat(k, g, axis=2)
     vh = jnp.repeat(v, g, axis=2)
     sc = jnp.einsum("bthd,bshd->bhts", q, kh, preferred_element_type=jnp.float32, precision=hi)
@@ -682,7 +701,7 @@ def flash_attention_reference(
         hit = (keys == faults.score_key[..., None]) & (faults.score_bit >= 0)[..., None]
         sc = _flip(sc, faults.score_bit[..., None], hit)
     # Checksum of each key block: the tile's hi + lo rows against q, in f32.
-    ksum = ks[:, :, :, 0].astype(jnp.float32) + ks[:, :, :, 1].astype(jnp.float32)  # (B, KV, nb, D)
+    ksum = f32(ks, 0) + f32(ks, 1)  # (B, KV, nb, D)
     e = jnp.einsum("bthd,bhjd->bhtj", q.astype(jnp.float32), jnp.repeat(ksum, g, axis=1), precision=hi)
     rs = jnp.sum(sc.reshape(b, h, t, nb, bk), axis=-1)
     r_qk = jnp.max(_ratio(rs - e, tol_qk[..., None]), axis=-1)
@@ -698,9 +717,12 @@ def flash_attention_reference(
         cols = jnp.arange(d, dtype=jnp.int32)[None, None, None, :]
         hit = (cols == faults.out_col[..., None]) & (faults.out_bit >= 0)[..., None]
         acc = _flip(acc, faults.out_bit[..., None], hit)
-    vsum = (vs[:, :, :, 0].astype(jnp.float32) + vs[:, :, :, 1].astype(jnp.float32)).reshape(b, kvh, s)
-    cs = jnp.einsum("bhts,bhs->bht", p16.astype(jnp.float32), jnp.repeat(vsum, g, axis=1), precision=hi)
-    r_pv = _ratio(jnp.sum(acc, axis=-1) - cs, tol_pv * l_)
+    per_key = lambda x: jnp.repeat(x.reshape(b, kvh, s), g, axis=1)  # (B, KV, nb, bk) -> (B, H, S)
+    p32 = p16.astype(jnp.float32)
+    cs = jnp.einsum("bhts,bhs->bht", p32, per_key(f32(vs, 0) + f32(vs, 1)), precision=hi)
+    # The bound, c_pv vmax l, as the kernel forms it: p16 against the tile's fourth and fifth rows.
+    tol_pv = jnp.einsum("bhts,bhs->bht", p32, per_key(f32(vs, 3) + f32(vs, 4)), precision=hi)
+    r_pv = _ratio(jnp.sum(acc, axis=-1) - cs, tol_pv)
     out = (acc / l_[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
     lse = m[..., 0] + jnp.log(l_)
     return out, lse, FlashChecks(r_qk, r_pv)
