@@ -149,9 +149,10 @@ from profiler traces of loops of 10 and 20 trips, differenced, and `dev_vs_xla_r
 
 Reading the bounds table: `python -m benchmarks.run --suite bounds` times the XLA side of the
 verified flash attention at one Llama-3-8B attention layer (B = 1, T = 8192, 32/8 heads, D = 128):
-the forward's checksum tiles and per-row bounds (`flash_bounds`, from q, k, v) and the backward's
-(`flash_bwd_bounds`, from q, k, v, do, with δ from the same read of do), by their kernels' device
-time in one call, against XLA summing the same inputs once in the same run. `reads` = bounds time /
+the forward's checksum and bound tiles (`flash_bounds`; from q, k, v until 2026-12-04, from k and v
+since, the kernel forming |q|·kmax itself) and the backward's (`flash_bwd_bounds`, from q, k, v,
+do, with δ from the same read of do), by their kernels' device time in one call, against XLA
+summing the same inputs once in the same run. `reads` = bounds time /
 that read's: how many times over the bounds read their inputs; `largest` names the costliest kernel.
 
 Reading the launch table: `python -m benchmarks.run --suite launch` runs chains of 1000 dependent
