@@ -113,6 +113,9 @@ whole protected path (report, recompute loop; fwd+bwd with its backward). Every 
 with XLA's before timing. `bwd` rows (newer runs) time `flash_attention_bwd`'s two kernels alone, with
 and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run;
 since 2026-12-04 also the opt-in fused kernel (`FlashBwdConfig(fused=True)`, "fused kernel" rows).
+Runs after 2026-12-04 add `dev_ms`, the device kernels' time in one call (median of three profiled
+calls), and `dev_vs_cudnn`, its ratio to cuDNN's: the same comparison without the host's dispatch
+and the drift between rounds of wall-clock timing.
 
 Reading the profile tables: `python -m benchmarks.profile` traces a short training run under the JAX
 profiler and sums the device kernels by name; `ms_per_step` divides by the steps traced, `share` is

@@ -795,3 +795,18 @@ def test_profile_saves_the_step_programs_largest_gaps():
     ]
     s["step_idle"]["gaps"] = []
     assert "profile-gaps" not in profile.result_tables(s, protect=True)
+
+
+def test_peers_device_time_is_the_median_of_profiled_calls(monkeypatch):
+    """The peers suite's ``dev_ms``: the median over three profiled calls of the kernels' summed time
+    (so one slow traced call does not move it), NaN where a call shows no device timeline."""
+    import collections
+
+    from benchmarks import peers
+
+    calls = iter([{"a": 900.0, "b": 50.0}, {"a": 2000.0}, {"a": 990.0}])
+    traced = lambda fn, *a, warmup: (collections.Counter(next(calls)), None)
+    monkeypatch.setattr(peers, "kernel_events", traced)
+    assert peers._dev_ms(None, ()) == pytest.approx(0.99)  # 950, 2000, 990 us -> 990
+    monkeypatch.setattr(peers, "kernel_events", lambda fn, *a, warmup: (collections.Counter(), None))
+    assert np.isnan(peers._dev_ms(None, ()))
