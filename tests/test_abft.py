@@ -375,6 +375,28 @@ def test_encode_pair_lowers_to_one_kernel_and_refuses_what_it_cannot_tile():
         ops.abft_encode_pair(jnp.ones((8,)), 128)
 
 
+@pytest.mark.usefixtures("on_cpu")
+def test_auto_transposed_checks_are_native_only_in_a_one_device_process(monkeypatch):
+    """xᵀ @ s (the backward's dw checks) contracts over the rows a data-parallel x is split over: with
+    several devices "auto" keeps XLA's dots (partial sums the partitioner adds up); with one, the
+    native pass, whose results are the same to f32 rounding."""
+    enc = ops.abft_encode(jax.random.normal(jax.random.key(0), (40, 70), jnp.float32), 32)
+    x = jax.random.normal(jax.random.key(1), (40, 19), jnp.float32)  # stored (K, R)
+
+    def run():  # a new function each time: jit's cache would keep the first trace
+        f = jax.jit(lambda v: ops.abft_checks(v, enc, transposed=True))
+        return "pimlayers_abft_checks" in f.trace(x).lower().as_text(), f(x)
+
+    assert jax.device_count() > 1  # the suite's 8 CPU devices
+    native, several = run()
+    assert not native
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    native, one = run()
+    assert native
+    for a, b in zip(one, several, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
     "lead,k,n,block_n,transposed",

@@ -324,7 +324,8 @@ def abft_checks(
 
     Native on the CPU for x's rows (one pass over x for both, f32 sums; XLA's two narrow GEMMs and
     the |x| between them took 0.14-0.63 ms at 256 x 256-1024 on a 2-core CPU, the native op
-    0.04-0.14 on one thread); ``transposed`` and the GPU keep XLA's dots.
+    0.04-0.14 on one thread); ``transposed`` too where the process has one device (with several,
+    XLA's dots: see below). The GPU keeps XLA's dots.
 
     ``lam``: the λ of the check these feed (``FaultPolicy.lam``, or ``lam_dw`` for a weight
     gradient). Given, a bf16 x's split-dot checks (the GPU's path, ``_checks_reference``) are formed
@@ -348,10 +349,14 @@ def abft_checks(
     if transposed:
         # xᵀ @ s contracts over x's leading axis, the one a data-parallel x is split over: XLA
         # sums the devices' partial dots, where this custom call would have x gathered to each
-        # device (no partitioning rule for it yet). So "auto" keeps XLA's dots here; the kernel
-        # (3-6x faster than XLA's on a 2-core CPU) runs with impl="native".
+        # device (no partitioning rule for it yet). So with several devices "auto" keeps XLA's
+        # dots here; with one there is nothing to split, and the kernel (3-6x faster than XLA's
+        # dots on a 2-core CPU) took the protected Dense's forward+backward at 256 x 1024 -> 256
+        # (128-column blocks, f32) from 0.67-0.74x the plain one's speed to 0.91-1.02x
+        # (2026-12-04, a probe alternating the two; `python -m benchmarks.run --suite matmul --m
+        # 256 --dtype float32 --shapes small` times it as it is now).
         native = lambda v, s, a: _checks_native(v, s, a, True)
-        impl = "reference" if impl == "auto" else impl
+        impl = "reference" if impl == "auto" and jax.device_count() > 1 else impl
     elif not g:  # one weight: x's rows, flattened, split over devices as they come
         rows = row_parallel(lambda v, s, a: _checks_native(v, s, a, False), (1, 3, 2), (2, 1))
 
