@@ -810,3 +810,10 @@ def test_peers_device_time_is_the_median_of_profiled_calls(monkeypatch):
     assert peers._dev_ms(None, ()) == pytest.approx(0.99)  # 950, 2000, 990 us -> 990
     monkeypatch.setattr(peers, "kernel_events", lambda fn, *a, warmup: (collections.Counter(), None))
     assert np.isnan(peers._dev_ms(None, ()))
+
+    def broken(fn, *a, warmup):
+        raise RuntimeError("profiler busy")
+
+    monkeypatch.setattr(peers, "kernel_events", broken)
+    with pytest.warns(RuntimeWarning, match="profiler busy"):
+        assert np.isnan(peers._dev_ms(None, ()))
