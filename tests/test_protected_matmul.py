@@ -570,10 +570,13 @@ def test_protected_matmuls_equal_separate_products_with_their_faults(dtype):
 
 
 def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
-    """The forward forms every weight's checks with one abft_checks call on x, the backward every
-    weight gradient's with one on xᵀ (dx's checks stay per weight: each has its own dy)."""
+    """Where the checks are GEMMs (a GPU: here with the native checks said absent), the forward
+    forms every weight's checks with one abft_checks call on x, the backward every weight
+    gradient's with one on xᵀ (dx's checks stay per weight: each has its own dy). Where they are
+    native (a CPU-only process), each product has its own."""
     from pimlayers.ops import _protected_matmul as pm
 
+    monkeypatch.setattr(pm, "checks_native_everywhere", lambda: False)
     calls = []
     real = pm.abft_checks
 
@@ -589,12 +592,45 @@ def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
     # Whole rows: one block per product. Forward: x against both (2 blocks); backward: dx per
     # weight (x's K = 32 columns: one block each), dw: xᵀ against both dy's (2 blocks).
     assert sorted(calls) == sorted([(False, 2), (False, 1), (False, 1), (True, 2)])
+    calls.clear()
+    monkeypatch.setattr(pm, "checks_native_everywhere", lambda: True)
+    jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, w1, w2)
+    assert sorted(calls) == sorted([(False, 1)] * 4 + [(True, 1)] * 2)
 
 
-def test_shared_checks_are_read_in_place_by_each_products_finish():
+@pytest.mark.usefixtures("on_cpu")
+def test_native_checks_are_ordered_after_their_product():
+    """In a CPU-only process the native checks read x through an optimization barrier that also
+    holds the product, after the GEMM, so XLA cannot run them beside it (they take the whole thread
+    pool); the barrier changes no value."""
+    from pimlayers.ops._abft import checks_native_everywhere
+
+    assert checks_native_everywhere()  # the test process: CPU devices only, native module built
+    x, w = _xw(16, 32, 64)
+    text = jax.jit(lambda x, w: ops.protected_matmul(x, w, policy=ROW)[0]).lower(x, w).as_text()
+    lines = [ln.strip() for ln in text.splitlines()]
+    dot = next(i for i, ln in enumerate(lines) if "stablehlo.dot_general" in ln)
+    checks = next(i for i, ln in enumerate(lines) if "@pimlayers_abft_checks(" in ln)
+    x_in = re.search(r"@pimlayers_abft_checks\((%\w+)#(\d+)", lines[checks])
+    assert x_in, lines[checks]
+    barrier = next(
+        i
+        for i, ln in enumerate(lines)
+        if ln.startswith(f"{x_in.group(1)}:2 = stablehlo.optimization_barrier")
+    )
+    assert dot < barrier < checks
+    y, rep = ops.protected_matmul(x, w, policy=ROW)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+    assert rep.to_dict()["gemm_detected"] == 0
+
+
+def test_shared_checks_are_read_in_place_by_each_products_finish(monkeypatch):
     """With one check GEMM for two weights (2 + 1 column blocks), each product's finish takes the
     whole checks at its block offset (0 and 2): nothing slices them apart (each slice was a copy
     kernel on the GPU), in the forward and in the weight gradients' shared check."""
+    from pimlayers.ops import _protected_matmul as pm
+
+    monkeypatch.setattr(pm, "checks_native_everywhere", lambda: False)  # as on a GPU
     x = jnp.ones((16, 64), jnp.bfloat16)
     ws = (jnp.ones((64, 256), jnp.bfloat16), jnp.ones((64, 128), jnp.bfloat16))
     policy = FaultPolicy(block_n=128)
@@ -620,6 +656,7 @@ def test_the_mlp_checks_gate_and_up_with_one_call(monkeypatch):
 
     calls = []
     real = pm.abft_checks
+    monkeypatch.setattr(pm, "checks_native_everywhere", lambda: False)  # as on a GPU
     monkeypatch.setattr(
         pm, "abft_checks", lambda a, enc, **kw: calls.append(enc.abs_sums.shape) or real(a, enc, **kw)
     )

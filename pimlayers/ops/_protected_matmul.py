@@ -47,6 +47,8 @@ from ._abft import (
     abft_encode_pair,
     abft_finish,
     abft_finish_reference,
+    checks_after,
+    checks_native_everywhere,
 )
 from ._common import check_float, first_true
 from ._fused_check import fused_flags, inject_fused, redo_tiles
@@ -171,7 +173,7 @@ def _checked_gemm(
         limit=policy.gate_limit,
     )
     if checks is None:
-        c, mag, off = (*abft_checks(a, enc, transposed=a_t, lam=policy.lam), 0)
+        c, mag, off = (*abft_checks(checks_after(y, a), enc, transposed=a_t, lam=policy.lam), 0)
     else:
         c, mag, off = checks  # a shared check GEMM's: this product's blocks from `off` on
     kw["block_offset"] = off
@@ -236,10 +238,13 @@ def _checked_gemms(
     Each product is checked, corrected and reported as alone, from one check GEMM: ``a`` against
     every weight's checksum columns side by side, so ``a`` is read once for all their checks rather
     than once per weight (attention's q, k and v projections share x; the MLP's gate and up do; so
-    do their weight gradients, xᵀ against each dy's checksum columns). The operand is pinned once,
+    do their weight gradients, xᵀ against each dy's checksum columns). Not where the checks are
+    native (a CPU-only process, :func:`checks_native_everywhere`): there each product's own native
+    pass, ordered after it, was faster. The operand is pinned once,
     so every GEMM and the shared checks read the same value (``_checked_gemm`` says why).
     """
-    shared = policy.enabled and len(bs) > 1
+    # Native checks (a CPU-only process): each product's own, ordered after it (checks_after).
+    shared = policy.enabled and len(bs) > 1 and not checks_native_everywhere()
     if shared and any(_fused_applies(a, b, policy, out_dtype, impl, a_t, False) for b in bs):
         shared = False  # the fused kernel forms its own checks
     checks = [None] * len(bs)
