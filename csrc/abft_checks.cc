@@ -228,12 +228,13 @@ ffi::Error AbftChecksCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
     }
   }
   Job job{x.untyped_data(), kind, transposed, rows, k, nb, panel.data(), c_out, m_out};
-  // The whole pool: the protected GEMM orders its checks after its product (checks_after in
-  // pimlayers/ops/_abft.py), so nothing of it runs beside them. When XLA ran the two at once, the
-  // checks taking the pool's threads made the protected GEMM slower than this thread alone on a
-  // 2-core CPU (docs/benchmarks.md); ordered, the whole pool was faster than one thread.
-  ParallelUnits(&pool, groups * CeilDiv(rows, kTileRows), groups * rows * k * 3 * nb / kCols,
-                [job](int64_t t0, int64_t t1) { RunTiles(job, t0, t1); });
+  // The GEMM these checks belong to does not depend on them, so XLA runs both at once on the same
+  // pool: on a 2-core CPU the checks taking the pool's threads made the protected GEMM slower than
+  // this thread alone (docs/benchmarks.md). A quarter of the pool, so a many-core CPU still
+  // splits a large check.
+  ParallelUnits(
+      &pool, groups * CeilDiv(rows, kTileRows), groups * rows * k * 3 * nb / kCols,
+      [job](int64_t t0, int64_t t1) { RunTiles(job, t0, t1); }, 0.25);
   return ffi::Error::Success();
 }
 

@@ -376,11 +376,14 @@ def checks_after(y: jax.Array, x: jax.Array) -> jax.Array:
     CPU), only once y exists; elsewhere x as it is.
 
     Nothing else orders the two (the checks read x, not y), and XLA:CPU runs independent ops at
-    once on its thread pool: there the checks competed with the GEMM for the cores, so their handler
-    took one thread. Ordered after the product, they take the whole pool. On a 2-core CPU (f32,
-    M = 256, 128-column blocks, 2026-12-04, probes alternating the two builds in one process) the
-    protected forward ran 2-5% faster at 256 x 256-1024, and two products of one x (each its own
-    checks, :func:`checks_native_everywhere`) 12-17% faster forward+backward."""
+    once on its thread pool, where the checks then competed with the GEMM for the cores. On a
+    2-core CPU (f32, M = 256, 128-column blocks, 2026-12-04; probes alternating the builds in one
+    process, 12-20 rounds) ordered checks ran the protected Dense's forward+backward 1.5-16% faster at
+    256 x 256-1024, and two products of one x (each with its own checks, where one check pass for
+    both had run before either GEMM: :func:`checks_native_everywhere`) 17-34% faster forward and
+    backward, 1-4% forward. The handler keeps its quarter of the pool: with the whole pool the
+    same probes were slower where the checks still ran beside another op (the backward's second
+    GEMM)."""
     after = lambda y, x: lax.optimization_barrier((y, x))[1]
     return dispatch("abft_checks", "auto", after, lambda y, x: x, y, x, native_on=("cpu",))
 
