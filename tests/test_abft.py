@@ -397,6 +397,21 @@ def test_auto_transposed_checks_are_native_only_in_a_one_device_process(monkeypa
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
 
 
+def test_a_process_with_a_gpu_keeps_its_checks_as_they_were(monkeypatch):
+    """The CPU-only orderings (checks after their product, native transposed checks) stay out of a
+    process that can also lower for a GPU: its programs trace as before them."""
+    from pimlayers.ops import _abft
+
+    monkeypatch.setattr(_abft, "present_platforms", lambda: frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    assert not _abft.checks_native_everywhere()
+    x = jnp.ones((40, 19))
+    assert _abft.checks_after(jnp.ones((3,)), x) is x
+    enc = ops.abft_encode(jnp.ones((40, 70)), 32)
+    f = jax.jit(lambda v: ops.abft_checks(v, enc, transposed=True))
+    assert "pimlayers_abft_checks" not in f.trace(x).lower().as_text()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
     "lead,k,n,block_n,transposed",

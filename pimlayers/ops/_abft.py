@@ -325,8 +325,8 @@ def abft_checks(
 
     Native on the CPU for x's rows (one pass over x for both, f32 sums; XLA's two narrow GEMMs and
     the |x| between them took 0.14-0.63 ms at 256 x 256-1024 on a 2-core CPU, the native op
-    0.04-0.14 on one thread); ``transposed`` too where the process has one device (with several,
-    XLA's dots: see below). The GPU keeps XLA's dots.
+    0.04-0.14 on one thread); ``transposed`` too in a CPU-only process with one device (with
+    several, XLA's dots: see below). The GPU keeps XLA's dots.
 
     ``lam``: the λ of the check these feed (``FaultPolicy.lam``, or ``lam_dw`` for a weight
     gradient). Given, a bf16 x's split-dot checks (the GPU's path, ``_checks_reference``) are formed
@@ -356,8 +356,11 @@ def abft_checks(
         # (128-column blocks, f32) from 0.67-0.74x the plain one's speed to 0.91-1.02x
         # (2026-12-04, a probe alternating the two; `python -m benchmarks.run --suite matmul --m
         # 256 --dtype float32 --shapes small` times it as it is now).
+        # (A process with a GPU keeps them too: there the checks are XLA's dots anyway, and its
+        # programs stay as they were measured.)
         native = lambda v, s, a: _checks_native(v, s, a, True)
-        impl = "reference" if impl == "auto" and jax.device_count() > 1 else impl
+        one_cpu = jax.device_count() == 1 and checks_native_everywhere()
+        impl = "reference" if impl == "auto" and not one_cpu else impl
     elif not g:  # one weight: x's rows, flattened, split over devices as they come
         rows = row_parallel(lambda v, s, a: _checks_native(v, s, a, False), (1, 3, 2), (2, 1))
 
@@ -372,8 +375,8 @@ def abft_checks(
 
 
 def checks_after(y: jax.Array, x: jax.Array) -> jax.Array:
-    """x, for :func:`abft_checks` of the GEMM that produced y: where the checks run natively (the
-    CPU), only once y exists; elsewhere x as it is.
+    """x, for :func:`abft_checks` of the GEMM that produced y: where the checks run natively (a
+    CPU-only process), only once y exists; elsewhere x as it is.
 
     Nothing else orders the two (the checks read x, not y), and XLA:CPU runs independent ops at
     once on its thread pool, where the checks then competed with the GEMM for the cores. On a
@@ -383,9 +386,9 @@ def checks_after(y: jax.Array, x: jax.Array) -> jax.Array:
     both had run before either GEMM: :func:`checks_native_everywhere`) 17-34% faster forward and
     backward, 1-4% forward. The handler keeps its quarter of the pool: with the whole pool the
     same probes were slower where the checks still ran beside another op (the backward's second
-    GEMM)."""
-    after = lambda y, x: lax.optimization_barrier((y, x))[1]
-    return dispatch("abft_checks", "auto", after, lambda y, x: x, y, x, native_on=("cpu",))
+    GEMM). Only in a CPU-only process (:func:`checks_native_everywhere`): a process with a GPU
+    keeps its programs as they were measured."""
+    return lax.optimization_barrier((y, x))[1] if checks_native_everywhere() else x
 
 
 def checks_native_everywhere() -> bool:
