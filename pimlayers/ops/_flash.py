@@ -72,6 +72,7 @@ __all__ = [
 
 CS = 8  # rows of a checksum tile: hi, lo (the value tile: then ones), zeros to wgmma's smallest N
 _BAD = 3.0e38  # the ratio written for a NaN/Inf difference
+_U = 2.0**-24  # f32's unit roundoff
 _LOG2E = math.log2(math.e)
 
 
@@ -155,14 +156,18 @@ def _tile(hi: jax.Array, lo: jax.Array, *more: jax.Array) -> jax.Array:
     return jnp.concatenate(rows, axis=-2)
 
 
+def _c_block(lam: float, d: int, n: int) -> float:
+    """A block check's bound factor (times the row's magnitude): a product over D of the row
+    against the sum of n rows, its hi/lo checksum split (the 64). The backward's block checks
+    (``_flash_bwd``) share it."""
+    return _U * (lam * (2 * math.sqrt(d) + math.sqrt(n) + 2) + 64)
+
+
 def _bound_consts(d: int, s: int, bk: int, lam: float) -> tuple[float, float]:
     """The scores' and the output's bound factors (the module docstring's): times |q|·kmax and
     l·vmax."""
-    u = 2.0**-24
-    nb = s // bk
-    c_qk = u * (lam * (2 * math.sqrt(d) + math.sqrt(bk) + 2) + 64)
-    c_pv = u * (lam * (math.sqrt(s) + math.sqrt(d) + 2) + 64 + 2 * nb) * (1 + 2.0**-7)
-    return c_qk, c_pv
+    c_pv = _U * (lam * (math.sqrt(s) + math.sqrt(d) + 2) + 64 + 2 * (s // bk)) * (1 + 2.0**-7)
+    return _c_block(lam, d, bk), c_pv
 
 
 def flash_bounds(k, v, *, lam: float, config: FlashConfig | None = None):

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._flash import CS, _block_sums, _flip, _load, _ratio, _split, _stream, _tile, _tile_sum
+from ._flash import _U, CS, _block_sums, _c_block, _flip, _load, _ratio, _split, _stream, _tile, _tile_sum
 from ._fused_gemm import hopper
 
 __all__ = [
@@ -75,7 +75,6 @@ __all__ = [
 ]
 
 _LN2 = math.log(2.0)
-_U = 2.0**-24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +170,6 @@ def _row_sums(x, vec, other=None, norms: bool = True):
     out = (jnp.sum(xf, axis=-1), jnp.sum(jnp.abs(xf), axis=-1)) if norms else ()
     out += (jnp.sum(jnp.abs(xf) * vec[:, None], axis=-1),)
     return out if other is None else (*out, jnp.sum(xf * other.astype(jnp.float32), axis=-1))
-
-
-def _c_block(lam: float, d: int, n: int) -> float:
-    return _U * (lam * (2 * math.sqrt(d) + math.sqrt(n) + 2) + 64)
 
 
 def _c_sum(lam: float, d: int, n: int) -> float:
