@@ -423,12 +423,18 @@ def test_a_process_with_a_gpu_keeps_its_checks_as_they_were(monkeypatch):
         ((19,), 33, 70, 32, True),  # stored (K, R): the layout impl="native" reads for dw
         ((3, 16), 24, 24, None, True),  # groups, transposed
         ((0,), 16, 32, 8, False),  # no rows
+        ((11,), 70, 256, 128, False),  # nb = 2: c's 4 columns as 4 (AVX-512) or 2 (AVX2) k per lane
+        ((21,), 100, 1100, 16, False),  # nb = 69: c's 138 columns in passes of up to 3 vectors
     ],
 )
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 @pytest.mark.usefixtures("on_cpu")
-def test_native_checks_equal_the_f64_products(dtype, lead, k, n, block_n, transposed):
+def test_native_checks_equal_the_f64_products(monkeypatch, isa, dtype, lead, k, n, block_n, transposed):
     """The native abft_checks (one pass over x for c and mag) against f64 products, for ragged K,
-    any number of column blocks, a batch of weights, x stored transposed and half-precision x."""
+    any number of column blocks, a batch of weights, x stored transposed and half-precision x; in
+    each of its kernels (PIMLAYERS_CPU_ISA caps the one a call runs; on a CPU without AVX-512 or
+    AVX2 the cap falls back to the widest there is, so those cases repeat another kernel)."""
+    monkeypatch.setenv("PIMLAYERS_CPU_ISA", isa)
     kx, kw = jax.random.split(jax.random.key(k + n))
     grouped = len(lead) == 2 and (transposed or lead == (4, 9))
     w = jax.random.normal(kw, ((lead[0], k, n) if grouped else (k, n)), jnp.float32)
@@ -468,6 +474,18 @@ def test_native_checks_under_vmap_take_a_weight_per_example():
     enc0 = ops.abft_encode(w[0], 16)
     one = jax.jit(jax.vmap(lambda v: ops.abft_checks(v, enc0, impl="native")))(x)
     np.testing.assert_allclose(one[1], ops.abft_checks(x, ops.abft_encode(w[0], 16))[1], rtol=1e-5)
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_native_checks_name_a_bad_isa_cap(monkeypatch):
+    enc = ops.abft_encode(jnp.ones((12, 32)), 16)
+    f = jax.jit(lambda v: ops.abft_checks(v, enc, impl="native"))
+    monkeypatch.setenv("PIMLAYERS_CPU_ISA", "sse9")
+    want = "PIMLAYERS_CPU_ISA is 'sse9'; expected generic, avx2 or avx512"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=want):
+        jax.block_until_ready(f(jnp.ones((4, 12))))
+    monkeypatch.delenv("PIMLAYERS_CPU_ISA")
+    np.testing.assert_allclose(f(jnp.ones((4, 12)))[1], 12 * 16 * np.ones((4, 2)))
 
 
 def test_checks_reject_an_x_that_does_not_contract_with_the_checksums():

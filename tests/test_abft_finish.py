@@ -40,8 +40,11 @@ def _faulty(rng, y):
 @pytest.mark.parametrize("block_n", [None, 32, 128])
 @pytest.mark.parametrize(("gate", "limit"), [(True, None), (True, 40.0), (False, None)])
 @pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
-def test_native_equals_reference(in_dtype, out_dtype, block_n, gate, limit):
-    """y in f32 (cast by the pass) or bf16 (a bf16 GEMM's product; in place when out is bf16)."""
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_native_equals_reference(monkeypatch, isa, in_dtype, out_dtype, block_n, gate, limit):
+    """y in f32 (cast by the pass) or bf16 (a bf16 GEMM's product; in place when out is bf16); the
+    block sums a block at a time ("avx2") and a row at a time (AVX-512, where the CPU has it)."""
+    monkeypatch.setenv("PIMLAYERS_CPU_ISA", isa)
     rng = np.random.default_rng(7)
     y, c, mag = _gemm(rng, 24, 64, 200, block_n)
     bad = _faulty(rng, y).astype(in_dtype)
@@ -245,7 +248,9 @@ def test_split_parts_are_exact_bf16_values_that_sum_to_the_f32_value():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("block_n", [None, 128])
-def test_in_place_gate_skips_only_blocks_with_nothing_to_gate(dtype, block_n):
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_in_place_gate_skips_only_blocks_with_nothing_to_gate(monkeypatch, isa, dtype, block_n):
+    monkeypatch.setenv("PIMLAYERS_CPU_ISA", isa)
     # In place (out_dtype = y's), a block whose largest |value| from the sums' pass is within the
     # limit gets no gate pass: clean values past the limit must still be gated, and nothing else.
     rng = np.random.default_rng(11)
