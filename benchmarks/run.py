@@ -18,6 +18,7 @@ python -m benchmarks.run --suite bounds                  # the verified flash at
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
+python -m benchmarks.run --suite cpu-kernels --m 256 --dtype float32 --shapes small   # its kernels A/B
 python -m benchmarks.run --suite launch                  # what one more kernel costs (gaps, graphs)
 python -m benchmarks.run --suite dispatch                # what a jitted (protected) call costs the host
 python -m benchmarks.run --suite finish --layers 4 --tag before --note "..."   # keep a second file
@@ -32,7 +33,20 @@ import jax.numpy as jnp
 
 from models.llama3 import REMAT_POLICIES
 
-from . import abft_campaign, bounds, dispatch, finish, launch, llama3, matmul, memory, ops, peers, routing
+from . import (
+    abft_campaign,
+    bounds,
+    cpu_kernels,
+    dispatch,
+    finish,
+    launch,
+    llama3,
+    matmul,
+    memory,
+    ops,
+    peers,
+    routing,
+)
 from ._harness import command_line, device_name, write_result
 from .report import render
 
@@ -43,6 +57,7 @@ def main() -> None:
         "ops",
         "matmul",
         "matmul-parts",
+        "cpu-kernels",
         "encode",
         "finish",
         "bounds",
@@ -116,6 +131,7 @@ def main() -> None:
     for name, run in (
         ("matmul", lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
+        ("cpu-kernels", lambda: cpu_kernels.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("encode", lambda: matmul.encodes(dtype=dtype)),
         ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
         ("bounds", bounds.run),
@@ -142,7 +158,7 @@ def main() -> None:
             ),
         ),
     ):
-        if args.suite in (name, "all"):
+        if args.suite == name or (args.suite == "all" and name != "cpu-kernels"):  # (a CPU A/B)
             rows = run()
             if not rows:
                 print(f"{name}: nothing to run on {len(jax.devices())} device(s)")
