@@ -181,6 +181,13 @@ handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's
 of the tile kernel), sharing XLA's autotuning results between the processes since the first run
 (2026-12-03's file predates that). One row per process (its median step), then per variant the
 median of all its steps; `vs_base` = the base's median / the variant's (> 1: the variant is faster).
+
+Reading the cpu-kernels table: `python -m benchmarks.run --suite cpu-kernels --m 256 --dtype
+float32 --shapes small` runs the CPU goal's cases with the native CPU kernels capped by
+`PIMLAYERS_CPU_ISA` (`generic`: the portable kernels; `avx2`; `avx512`), alternating the plain GEMM
+and the three in rounds in one process (order reversed every other round). `ratio_<cap>` is the
+median over the rounds of plain / protected, as the matmul table's `ratio`; `cpu_has` is the widest
+level the CPU reports (below it, a higher cap runs the lower kernels).
 """
 
 
