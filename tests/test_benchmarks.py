@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 
 import jax
@@ -65,6 +66,28 @@ def test_dispatch_suite_times_each_call_against_the_plain_gemm():
     assert all(r["us_per_call"] > 0 and r["shape"] == "8x128->128 float32" for r in rows)
     assert rows[0]["vs_plain"] == 1.0
     assert rows[1]["vs_plain"] == pytest.approx(rows[1]["us_per_call"] / rows[0]["us_per_call"])
+
+
+def test_cpu_kernels_suite_times_each_cap_and_restores_the_environment(monkeypatch):
+    from benchmarks import cpu_kernels
+
+    monkeypatch.setenv("PIMLAYERS_CPU_ISA", "avx2")
+    seen = []
+    real = cpu_kernels._batch
+
+    def batch(fn, args, iters):
+        seen.append(os.environ.get("PIMLAYERS_CPU_ISA"))
+        return real(fn, args, iters)
+
+    monkeypatch.setattr(cpu_kernels, "_batch", batch)
+    rows = cpu_kernels.run(m=16, shapes=((24, 40),), block_ns=(16,), rounds=2, iters=2)
+    assert [r["op"] for r in rows] == ["fwd 24->40", "fwd+bwd 24->40"]
+    for r in rows:
+        assert r["block_n"] == 16 and r["rounds"] == 2 and r["cpu_has"] in cpu_kernels.CAPS
+        assert all(r[f"{c}_ms"] > 0 and r[f"ratio_{c}"] > 0 for c in cpu_kernels.CAPS)
+    # Each protected batch ran under its own cap (the plain one under whatever was set before it).
+    assert set(seen) >= set(cpu_kernels.CAPS)
+    assert os.environ["PIMLAYERS_CPU_ISA"] == "avx2"
 
 
 def test_launch_suite_mosaic_chain_lowers_to_mosaic_custom_calls():
