@@ -54,16 +54,25 @@ def time_pair(
     warmup: int = 3,
     iters: int = 20,
     repeats: int = 7,
+    warmup_s: float = 0.25,
 ) -> tuple[float, float, float]:
     """Two jitted fns timed in alternating batches (a, b, a, b, ...), as :func:`time_fn` times one.
 
     Returns (median seconds per call of a, of b, median over the rounds of a's time / b's). On a
     shared or throttling machine the drift between two timings taken one after the other can exceed
     the difference measured (seen: +-50% on a 2-core CPU); within a round it falls on both alike.
+
+    The warm-up alternates the two for at least `warmup` calls each and `warmup_s` seconds: on a
+    2-core CPU VM (2026-12-04) a 0.1 s pause before a batch (a compile, say) made the protected GEMM's
+    next batches 60% slower and the plain one's 24%, recovering over ~100 calls; three calls each
+    left that inside the timed rounds, whose median it then moved for a whole case.
     """
-    for _ in range(warmup):
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or time.perf_counter() - start < warmup_s:
         jax.block_until_ready(a(*args_a))
         jax.block_until_ready(b(*args_b))
+        done += 1
     ta, tb = [], []
     for _ in range(repeats):
         ta.append(_batch(a, args_a, iters))

@@ -68,6 +68,27 @@ def test_dispatch_suite_times_each_call_against_the_plain_gemm():
     assert rows[1]["vs_plain"] == pytest.approx(rows[1]["us_per_call"] / rows[0]["us_per_call"])
 
 
+def test_time_pair_warms_both_for_its_warmup_time_then_alternates():
+    from benchmarks._harness import time_pair
+
+    calls = []
+
+    def fn(name):
+        def call(x):
+            calls.append(name)
+            return x + 1
+
+        return call
+
+    x = jnp.ones(3)
+    ta, tb, ratio = time_pair(fn("a"), (x,), fn("b"), (x,), iters=2, repeats=3, warmup_s=0.05)
+    warm = len(calls) - 2 * 2 * 3  # the timed rounds made 2 calls of each per round
+    assert warm >= 2 * 3 and warm % 2 == 0 and calls[:warm] == ["a", "b"] * (warm // 2)
+    assert ta > 0 and tb > 0 and ratio > 0
+    # 50 ms of a microsecond call is far more than the three calls of the count alone.
+    assert warm > 2 * 30
+
+
 def test_cpu_kernels_suite_times_each_cap_and_restores_the_environment(monkeypatch):
     from benchmarks import cpu_kernels
 
