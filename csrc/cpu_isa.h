@@ -1,8 +1,9 @@
 // Which vector kernels a CPU handler runs: the widest the CPU has, capped by the environment
 // variable PIMLAYERS_CPU_ISA ("generic", "avx2" or "avx512"), which is read on every call so that
 // one process (a test, a benchmark alternating builds) can run each kernel on one machine.
-// abft_checks has a kernel per level (abft_checks.cc); the block sums of abft_finish and
-// abft_check take a row at a time with AVX-512 and a block at a time otherwise (abft.cc).
+// abft_checks has a kernel per level (abft_checks.cc); the block sums of abft_finish, abft_check
+// and abft_encode take a row at a time with AVX-512 and a block at a time otherwise, and the
+// transposed abft_encode sums a block's columns in AVX-512 registers (abft.cc).
 #pragma once
 
 #include <cstdlib>

@@ -248,9 +248,27 @@ def test_a_second_error_hiding_behind_a_huge_one_is_not_corrected_away(impl, op)
 @pytest.mark.parametrize(
     ("shape", "block_n"), [((2, 33, 100), 16), ((70, 1), None), ((3, 5, 7), 4), ((0, 8), 4)]
 )
-def test_native_encode_matches_the_reference(transposed, dtype, shape, block_n):
+@pytest.mark.parametrize("isa", ["generic", "avx512"])
+def test_native_encode_matches_the_reference(monkeypatch, isa, transposed, dtype, shape, block_n):
+    monkeypatch.setenv("PIMLAYERS_CPU_ISA", isa)
     with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler (tests/test_gpu.py: the CUDA one)
         _native_encode_matches_the_reference(transposed, dtype, shape, block_n)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("shape", "block_n"), [((2, 70, 45), 16), ((130, 300), 128), ((5, 37), None)])
+@pytest.mark.usefixtures("on_cpu")
+def test_transposed_encode_is_the_same_doubles_with_avx512(monkeypatch, dtype, shape, block_n):
+    """wᵀ's checksums with AVX-512 (a block's column sums in registers, 32 columns a pass with masked
+    tails) add the same f64 terms in the same order as the portable loop: equal bit for bit."""
+    w = (jax.random.normal(jax.random.key(9), shape, jnp.float32) * 5).astype(dtype)
+    f = jax.jit(lambda v: ops.abft_encode(v, block_n, transposed=True, impl="native"))
+    got = {}
+    for isa in ("generic", "avx512"):
+        monkeypatch.setenv("PIMLAYERS_CPU_ISA", isa)
+        got[isa] = [np.asarray(a) for a in f(w)]
+    for a, b in zip(got["generic"], got["avx512"], strict=True):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
