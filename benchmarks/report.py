@@ -25,7 +25,8 @@ largest gradient difference between protected and plain (0: identical bf16 gradi
 is the ABFT column block (`row`: one checksum per output row, the library default; 128: what the
 training script uses). The matmul table on cpu:cpu is the CPU goal (protected Dense <= 1.3x plain at
 small sizes, f32). Newer matmul runs (the `matmul-interleaved` file on) time plain and protected in
-alternating batches and give the median of the rounds' ratios (`benchmarks._harness.time_pair`).
+alternating batches and give the median of the rounds' ratios (`benchmarks._harness.time_pair`);
+from the `s35warm` files (2026-12-05) on, after warming both up for 0.25 s instead of three calls.
 `matmul-parts` times a protected forward GEMM's stages alone and together (see
 `benchmarks/matmul.py::parts`); `ratio` there is plain / protected. `fused` / `protected_fused` is
 `FaultPolicy(fused=True)`: on a Hopper GPU the forward GEMM is one Pallas kernel whose epilogue forms
