@@ -471,8 +471,9 @@ void RunAbftCpu(const AbftIo& io, const AbftParams& p, const GateSpec& g, bool w
 // abft_encode: a weight's checksum columns in one pass over it (EncodeIo in abft.h; the reference
 // is the pure-JAX abft_encode; f64 sums here, so the two agree to f32 rounding, not bit for bit).
 
-// Rows of w (G, K, N): each (row, block) is one SumBlock, as y's blocks are in the check. A
-// non-finite weight makes its sums non-finite (the check then reports the GEMM, never trusts it).
+// Rows of w (G, K, N): each (row, block) summed as y's blocks are in the check (with AVX-512 a
+// row's blocks in one RowSums call). A non-finite weight makes its sums non-finite (the check then
+// reports the GEMM, never trusts it).
 template <FloatKind KI>
 void EncodeRows(const EncodeIo& io, bool wide, int64_t r0, int64_t r1) {
   std::vector<BlockSums> row(wide ? io.nb : 0);
@@ -500,7 +501,8 @@ void EncodeRows(const EncodeIo& io, bool wide, int64_t r0, int64_t r1) {
 }
 
 // w stored transposed, (G, N, K): block b of the operand's columns is a block of w's rows, summed
-// row by row into per-k accumulators (contiguous, vectorisable), then written out (G, K, nb).
+// row by row into per-k accumulators (contiguous, vectorisable; with AVX-512 in registers,
+// ColumnSums), then written out (G, K, nb).
 template <FloatKind KI>
 void EncodeBlocksOfRows(const EncodeIo& io, bool wide, int64_t u0, int64_t u1) {
   std::vector<double> a1(io.k), a2(io.k), aa(io.k);
