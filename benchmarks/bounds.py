@@ -1,7 +1,8 @@
 """The verified flash attention's bounds alone: what XLA computes around the kernels.
 
-``flash_bounds`` (the forward's checksum and bound tiles, from k and v) and
-``flash_bwd_bounds`` (the backward's, from q, k, v, do, with δ = rowsum(do ∘ out) from the same
+``flash_bounds`` (the forward's checksum and bound tiles, from k and v; again from the one-pass
+Pallas kernels of ``FlashConfig(bounds_kernel=True)``, whose tiles are checked against XLA's first)
+and ``flash_bwd_bounds`` (the backward's, from q, k, v, do, with δ = rowsum(do ∘ out) from the same
 read of do) at one attention layer of the Llama-3-8B step, timed by their kernels' device time
 (profiler traces of one call), against XLA reading the same inputs once (a sum of each in f32) in
 the same run. Both are bandwidth-bound: their outputs are small next to their inputs, so
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pimlayers.ops._flash import flash_bounds
+from pimlayers.ops._flash import FlashConfig, flash_bounds
 from pimlayers.ops._flash_bwd import _c_block, flash_bwd_bounds
 
 from .profile import kernel_us
@@ -52,14 +53,36 @@ def _check(bd: dict, q, k, do, out, lam: float, bq: int = 64, bk: int = 64) -> N
             raise AssertionError(f"bounds: {name} differs from the host's f64 sums by {err:.3g} (relative)")
 
 
+def _same_tiles(got, want) -> None:
+    """The Pallas bounds' tiles against XLA's: hi + lo of each sum to f32 rounding, the rest equal."""
+    for a, w, sums in zip(got, want, ((0,), (0, 3), (0,)), strict=True):
+        a32, w32 = np.asarray(a, np.float32), np.asarray(w, np.float32)
+        for i in sums:
+            ha = a32[..., i, :] + np.float64(a32[..., i + 1, :])
+            hw = w32[..., i, :] + np.float64(w32[..., i + 1, :])
+            if not np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw)):
+                raise AssertionError(f"bounds: the Pallas tiles' rows {i}, {i + 1} differ from XLA's")
+        rest = [r for r in range(a32.shape[-2]) if not any(r in (i, i + 1) for i in sums)]
+        if not np.array_equal(a32[..., rest, :], w32[..., rest, :]):
+            raise AssertionError("bounds: the Pallas tiles' constant rows differ from XLA's")
+
+
 def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: float = 8.0) -> list[dict]:
     q, k, v, do, out = _inputs(b, t, h, kv, d)
     fwd = jax.jit(lambda k, v: flash_bounds(k, v, lam=lam))
+    cfg = FlashConfig(bounds_kernel=True)
+    fwd_kernel = jax.jit(lambda k, v: flash_bounds(k, v, lam=lam, config=cfg))
+    _same_tiles(fwd_kernel(k, v), fwd(k, v))
     bwd = jax.jit(lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=lam, out=out))
     _check(bwd(q, k, v, do, out), q, k, do, out, lam)
     read = jax.jit(lambda *xs: sum(jnp.sum(x, dtype=jnp.float32) for x in xs))
     rows = []
-    for name, fn, args in (("forward", fwd, (k, v)), ("backward", bwd, (q, k, v, do, out))):
+    cases = (
+        ("forward", fwd, (k, v)),
+        ("forward, Pallas kernels", fwd_kernel, (k, v)),
+        ("backward", bwd, (q, k, v, do, out)),
+    )
+    for name, fn, args in cases:
         us, read_us = kernel_us(fn, *args), kernel_us(read, *args)
         nbytes = sum(x.size * x.dtype.itemsize for x in args)
         # NaN without a device timeline (a CPU): kernel_us is empty there.

@@ -158,6 +158,8 @@ since, the kernel forming |q|·kmax itself) and the backward's (`flash_bwd_bound
 do, with δ from the same read of do), by their kernels' device time in one call, against XLA
 summing the same inputs once in the same run. `reads` = bounds time /
 that read's: how many times over the bounds read their inputs; `largest` names the costliest kernel.
+From 2026-12-05 a row "forward, Pallas kernels" times the same tiles from two Triton kernels
+(`FlashConfig(bounds_kernel=True)`, checked against XLA's tiles first).
 
 Reading the launch table: `python -m benchmarks.run --suite launch` runs chains of 1000 dependent
 elementwise kernels on 1024 floats in one jitted program (an optimization barrier between them, so

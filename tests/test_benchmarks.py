@@ -690,9 +690,17 @@ def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
     from benchmarks import bounds
 
     rows = bounds.run(t=256, h=4, kv=2, d=64)
-    assert [r["bounds"] for r in rows] == ["forward", "backward"]
+    assert [r["bounds"] for r in rows] == ["forward", "forward, Pallas kernels", "backward"]
     # The forward's bounds read k and v; the backward's q, do and out too (each 256 x 4 x 64 bf16).
-    assert rows[1]["mb"] == pytest.approx(rows[0]["mb"] + 3 * 256 * 4 * 64 * 2 / 1e6)
+    assert rows[1]["mb"] == rows[0]["mb"]
+    assert rows[2]["mb"] == pytest.approx(rows[0]["mb"] + 3 * 256 * 4 * 64 * 2 / 1e6)
+    # The Pallas tiles are checked against XLA's first: a sum off by more than f32 rounding is refused.
+    k = jax.numpy.ones((1, 256, 2, 64), jax.numpy.bfloat16)
+    tiles = bounds.flash_bounds(k, k, lam=8.0)
+    bounds._same_tiles(tiles, tiles)
+    off = (tiles[0].at[0, 0, 0, 1, 3].set(1.0), *tiles[1:])
+    with pytest.raises(AssertionError, match="rows 0, 1 differ"):
+        bounds._same_tiles(off, tiles)
     if jax.default_backend() == "cpu":
         assert all(np.isnan(r["dev_ms"]) and np.isnan(r["reads"]) for r in rows)
     real = bounds.flash_bwd_bounds

@@ -89,9 +89,10 @@ def test_a_flip_below_the_rounding_bound_passes():
     assert _flagged(checks.scores) == set()  # the last mantissa bit of one f32 score: harmless
 
 
-def test_bounds_shapes_and_tiles():
+@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=True)])
+def test_bounds_shapes_and_tiles(config):
     _, k, v = _qkv()
-    ks, vs, km = ops._flash.flash_bounds(k, v, lam=8.0)
+    ks, vs, km = ops._flash.flash_bounds(k, v, lam=8.0, config=config)
     nb = T // ops.FlashConfig().block_kv
     assert ks.shape == (B, KV, nb, 8, D) and vs.shape == (B, KV, nb, 8, 128) and km.shape == (B, KV, 8, D)
     hilo = lambda tile, i: tile[..., i, :].astype(jnp.float32) + tile[..., i + 1, :].astype(jnp.float32)
@@ -108,6 +109,68 @@ def test_bounds_shapes_and_tiles():
     vmax = jnp.abs(v.astype(jnp.float32)).sum(-1).max(1)  # (B, KV)
     want = jnp.broadcast_to((c_pv * vmax)[:, :, None, None], (B, KV, nb, 128))
     np.testing.assert_allclose(np.asarray(hilo(vs, 3)), np.asarray(want), rtol=2**-16)
+
+
+@pytest.mark.parametrize(("shape", "block_kv"), [((2, 256, 2, 64), 128), ((1, 384, 3, 128), 64)])
+def test_bounds_kernel_tiles_are_xlas(shape, block_kv):
+    """The one-pass Pallas bounds (run by Pallas' interpreter here) against XLA's tiles: the same
+    shapes and constant rows, hi + lo of every sum within f32 rounding of XLA's (another order)."""
+    kk, kv_ = jax.random.split(jax.random.key(4))
+    k = (3 * jax.random.normal(kk, shape)).astype(jnp.bfloat16)
+    v = (2 * jax.random.normal(kv_, shape)).astype(jnp.bfloat16)
+    want = ops._flash.flash_bounds(k, v, lam=8.0, config=ops.FlashConfig(block_kv=block_kv))
+    cfg = ops.FlashConfig(block_kv=block_kv, bounds_kernel=True)
+    got = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg))(k, v)
+    for name, a, w, sums in (
+        ("ks", got[0], want[0], (0,)),
+        ("vs", got[1], want[1], (0, 3)),
+        ("km", got[2], want[2], (0,)),
+    ):
+        assert a.shape == w.shape and a.dtype == w.dtype == jnp.bfloat16, name
+        a32, w32 = np.asarray(a, np.float32), np.asarray(w, np.float32)
+        for i in sums:
+            ha, hw = (
+                a32[..., i, :] + np.float64(a32[..., i + 1, :]),
+                w32[..., i, :] + np.float64(w32[..., i + 1, :]),
+            )
+            assert np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw)), (name, i)
+        rest = [r for r in range(8) if not any(r in (i, i + 1) for i in sums)]
+        assert np.array_equal(a32[..., rest, :], w32[..., rest, :]), name
+
+
+def test_bounds_kernel_carries_a_nan_into_every_tile_of_its_head():
+    _, k, v = _qkv()
+    k = k.at[1, 130, 0, 5].set(jnp.nan)
+    v = v.at[0, 7, 1, 3].set(jnp.inf)
+    ks, vs, km = ops._flash.flash_bounds(k, v, lam=8.0, config=ops.FlashConfig(bounds_kernel=True))
+    f = lambda t: np.asarray(t, np.float32)
+    assert np.isnan(f(ks)[1, 0, 1, :2, 5]).all() and np.isfinite(f(ks)[1, 0, 0]).all()
+    assert not np.isfinite(f(km)[1, 0, :2, 5]).any() and np.isfinite(f(km)[0]).all()
+    assert not np.isfinite(f(vs)[0, 1, :, 3:5]).any()  # c_pv·vmax in every block of that head
+    assert np.isfinite(f(vs)[1]).all()
+
+
+def test_bounds_kernel_lowers_to_two_triton_kernels_for_a_gpu():
+    """The kernels a GPU would run, lowered here (no GPU needed): two Triton calls, no interpreter."""
+    k = jnp.zeros((1, 1024, 8, 128), jnp.bfloat16)
+    cfg = ops.FlashConfig(bounds_kernel=True)
+    f = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg))
+    text = f.trace(k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "pimlayers_flash_bounds_blocks" in text and "pimlayers_flash_bounds_finish" in text
+
+
+def test_reference_with_the_bounds_kernel_flags_the_same_rows():
+    q, k, v = _qkv(seed=3)
+    faults = _faults([("scores", 0, 1, 40, 30, 12), ("out", 1, 2, 200, 28, 7)])
+    cfg = ops.FlashConfig(bounds_kernel=True)
+    out, lse, got = ops.flash_attention_reference(q, k, v, faults, config=cfg)
+    out0, lse0, want = _reference(q, k, v, faults)
+    assert np.array_equal(np.asarray(out), np.asarray(out0)) and np.array_equal(
+        np.asarray(lse), np.asarray(lse0)
+    )
+    assert _flagged(got.scores) == _flagged(want.scores) == {(0, 1, 40)}
+    assert _flagged(got.out) == _flagged(want.out) == {(1, 2, 200)}
 
 
 def test_kernel_errors():

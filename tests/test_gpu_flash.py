@@ -39,7 +39,9 @@ SHAPES = [  # (B, T, H, KV, D, causal)
 ]
 
 
-@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(fuse_e=False)])
+@pytest.mark.parametrize(
+    "config", [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), ops.FlashConfig(bounds_kernel=True)]
+)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_reference(hopper, shape, config):
     b, t, h, kv, d, causal = shape
@@ -54,8 +56,9 @@ def test_kernel_matches_reference(hopper, shape, config):
     np.testing.assert_allclose(np.asarray(plain, np.float32), np.asarray(ref_out, np.float32), atol=3e-2)
 
 
+@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=True)])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_flags_the_rows_the_reference_flags(hopper, shape):
+def test_kernel_flags_the_rows_the_reference_flags(hopper, shape, config):
     b, t, h, kv, d, causal = shape
     q, k, v = _qkv(b, t, h, kv, d, seed=1)
     rng = np.random.default_rng(2)
@@ -68,11 +71,30 @@ def test_kernel_flags_the_rows_the_reference_flags(hopper, shape):
         else:
             ob[bi, hi, ti], oc[bi, hi, ti] = bit, int(rng.integers(d))
     faults = ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
-    _, _, got = ops.flash_attention(q, k, v, faults, causal=causal)
+    _, _, got = ops.flash_attention(q, k, v, faults, causal=causal, config=config)
     _, _, ref = ops.flash_attention_reference(q, k, v, faults, causal=causal)
     assert _flagged(got.scores) == _flagged(ref.scores)
     assert _flagged(got.out) == _flagged(ref.out)
     assert _flagged(got.scores) | _flagged(got.out)  # exponent and sign flips: some row fails
+
+
+@pytest.mark.parametrize("shape", [(1, 8192, 8, 128), (2, 384, 3, 64)])
+def test_bounds_kernel_tiles_are_xlas_on_the_gpu(hopper, shape):
+    """The Triton bounds kernels against XLA's tiles (hi + lo within f32 rounding; other rows equal)."""
+    kk, kv_ = jax.random.split(jax.random.key(6))
+    k = (3 * jax.random.normal(kk, shape)).astype(jnp.bfloat16)
+    v = (2 * jax.random.normal(kv_, shape)).astype(jnp.bfloat16)
+    want = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0))(k, v)
+    cfg = ops.FlashConfig(bounds_kernel=True)
+    got = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg))(k, v)
+    for a, w, sums in zip(got, want, ((0,), (0, 3), (0,)), strict=True):
+        a32, w32 = np.asarray(a, np.float32), np.asarray(w, np.float32)
+        for i in sums:
+            ha = a32[..., i, :] + np.float64(a32[..., i + 1, :])
+            hw = w32[..., i, :] + np.float64(w32[..., i + 1, :])
+            assert np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw))
+        rest = [r for r in range(8) if not any(r in (i, i + 1) for i in sums)]
+        assert np.array_equal(a32[..., rest, :], w32[..., rest, :])
 
 
 def test_attention_core_takes_the_kernel_and_corrects(hopper):

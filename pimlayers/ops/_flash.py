@@ -88,6 +88,9 @@ class FlashConfig:
     # q·ksum from the scores' own wgmma (the key tile extended by the checksum tile's 8 rows, N =
     # block_kv + 8) instead of a second wgmma with N = 8.
     fuse_e: bool = True
+    # The checksum and bound tiles from two Pallas (Triton) kernels, one pass over k and v
+    # (``_flash_bounds``), instead of XLA's seven; opt-in until measured on a GPU.
+    bounds_kernel: bool = False
 
 
 class FlashChecks(NamedTuple):
@@ -186,6 +189,17 @@ def flash_bounds(k, v, *, lam: float, config: FlashConfig | None = None):
     b, s, kvh, d = k.shape
     nb, bk = s // cfg.block_kv, cfg.block_kv
     c_qk, c_pv = _bound_consts(d, s, bk, lam)
+    if cfg.bounds_kernel:
+        from ._flash_bounds import flash_bounds_kernel
+
+        kw = dict(bk=bk, cs=CS, c_qk=c_qk, c_pv=c_pv)
+        # Triton on a GPU; Pallas' interpreter elsewhere (the reference on a CPU, tests).
+        return lax.platform_dependent(
+            k,
+            v,
+            cuda=functools.partial(flash_bounds_kernel, **kw),
+            default=functools.partial(flash_bounds_kernel, **kw, interpret=True),
+        )
     vf = v.astype(jnp.float32)
     # The sums, materialised before the tiles are built: fused into the tiles' concatenation, XLA
     # recomputed the value sums per output element (0.115 ms on an H200 at T = 8192, 8 KV heads).

@@ -1,0 +1,121 @@
+"""The verified flash forward's checksum and bound tiles in one pass over k and v (Pallas, Triton).
+
+``flash_bounds`` (``_flash``) builds the tiles the forward kernel reads with XLA: on an H200 (B = 1,
+T = 8192, 8 KV heads, D = 128) seven kernels, 25 µs of device time, for 34 MB of k and v that one
+read moves in ~9 µs. Here the same tiles come from two small kernels: the first reads each
+(batch, KV head, key block) of k and v once and writes the block's tiles, ks [hi, lo, 0...] and
+vs [hi, lo, ones, -, -, 0...], folding the block's Σ|k| column sums and largest Σ|v| row sum into
+per-head maxima with atomic max (Pallas' f32 atomic max: integer atomics on the bits, which order
+non-negative floats as their values); the second writes km
+[hi, lo, 0...] of c_qk·kmax and rows 3, 4 of every vs tile with c_pv·vmax, in place.
+
+The sums are f32 reductions over the block (Triton's: a tree), where ``flash_bounds`` adds the same
+values in another order: the two agree to f32 rounding, inside the checks' slack (``_c_block``).
+Opt-in (``FlashConfig(bounds_kernel=True)``) until measured against XLA's on a GPU; on a CPU it runs
+in Pallas' interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from ._abft import _bf16_head
+
+
+def _split(x):
+    """f32 -> (hi, lo) in bf16 as ``_flash._split`` (the head by bit arithmetic, never elided)."""
+    head = _bf16_head(x)
+    return head.astype(jnp.bfloat16), (x - head).astype(jnp.bfloat16)
+
+
+def _rows(n: int, cols: int, *values):
+    """(n, cols) bf16: row i = values[i] (a (cols,) array or a scalar) for i < len(values), then 0."""
+    row = lax.broadcasted_iota(jnp.int32, (n, cols), 0)
+    out = jnp.zeros((n, cols), jnp.bfloat16)
+    for i, val in enumerate(values):
+        val = jnp.broadcast_to(jnp.asarray(val, jnp.bfloat16), (cols,))[None, :]
+        out = jnp.where(row == i, val, out)
+    return out
+
+
+def _blocks_kernel(k_ref, v_ref, kmax_in, vmax_in, ks_ref, vs_ref, kmax_ref, vmax_ref, *, cs: int):
+    del kmax_in, vmax_in  # aliased to kmax_ref, vmax_ref (zeros before the first block)
+    kb = k_ref[...].astype(jnp.float32)  # (bk, D)
+    vb = v_ref[...].astype(jnp.float32)  # (bk, D)
+    ks_hi, ks_lo = _split(jnp.sum(kb, axis=0))
+    ks_ref[...] = _rows(cs, kb.shape[1], ks_hi, ks_lo)
+    vs_hi, vs_lo = _split(jnp.sum(vb, axis=1))
+    vs_ref[...] = _rows(cs, vb.shape[0], vs_hi, vs_lo, 1.0)
+    plt.atomic_max(kmax_ref, (slice(None),), jnp.sum(jnp.abs(kb), axis=0))
+    plt.atomic_max(vmax_ref, (slice(None),), jnp.max(jnp.sum(jnp.abs(vb), axis=1), keepdims=True))
+
+
+def _finish_kernel(kmax_ref, vmax_ref, vs_in, km_ref, vs_ref, *, cs: int, c_qk: float, c_pv: float):
+    km_hi, km_lo = _split(c_qk * kmax_ref[...])
+    km_ref[...] = _rows(cs, km_hi.shape[0], km_hi, km_lo)
+    vm_hi, vm_lo = _split(c_pv * vmax_ref[...])  # (1,)
+    tile = vs_in[...]
+    row = lax.broadcasted_iota(jnp.int32, tile.shape, 0)
+    tile = jnp.where(row == 3, vm_hi[0], jnp.where(row == 4, vm_lo[0], tile))
+    vs_ref[...] = tile
+
+
+@functools.partial(jax.jit, static_argnames=("bk", "cs", "c_qk", "c_pv", "interpret"))
+def flash_bounds_kernel(k, v, *, bk: int, cs: int, c_qk: float, c_pv: float, interpret: bool = False):
+    """(ks, vs, km) of ``_flash.flash_bounds`` for k, v (B, S, KV, D) bf16, S a multiple of bk."""
+    b, s, kvh, d = k.shape
+    nb = s // bk
+    sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+    grid = (b, kvh, nb)
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
+    kv_spec = pl.BlockSpec((sq, bk, sq, d), lambda i, h, j: (i, j, h, 0))
+    kmax_spec = pl.BlockSpec((sq, sq, d), lambda i, h, j: (i, h, 0))
+    vmax_spec = pl.BlockSpec((sq, sq, 1), lambda i, h, j: (i, h, 0))
+    zeros_k = jnp.zeros((b, kvh, d), jnp.float32)
+    zeros_v = jnp.zeros((b, kvh, 1), jnp.float32)
+    ks, vs, kmax, vmax = pl.pallas_call(
+        functools.partial(_blocks_kernel, cs=cs),
+        grid=grid,
+        in_specs=[kv_spec, kv_spec, kmax_spec, vmax_spec],
+        out_specs=[
+            pl.BlockSpec((sq, sq, sq, cs, d), lambda i, h, j: (i, h, j, 0, 0)),
+            pl.BlockSpec((sq, sq, sq, cs, bk), lambda i, h, j: (i, h, j, 0, 0)),
+            kmax_spec,
+            vmax_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, nb, cs, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, kvh, nb, cs, bk), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, kvh, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, 1), jnp.float32),
+        ],
+        input_output_aliases={2: 2, 3: 3},
+        interpret=interpret,
+        name="pimlayers_flash_bounds_blocks",
+        **params,
+    )(k, v, zeros_k, zeros_v)
+    km, vs = pl.pallas_call(
+        functools.partial(_finish_kernel, cs=cs, c_qk=c_qk, c_pv=c_pv),
+        grid=grid,
+        in_specs=[kmax_spec, vmax_spec, pl.BlockSpec((sq, sq, sq, cs, bk), lambda i, h, j: (i, h, j, 0, 0))],
+        out_specs=[
+            # Every key block of a head writes the same km tile (its values depend on the head only).
+            pl.BlockSpec((sq, sq, cs, d), lambda i, h, j: (i, h, 0, 0)),
+            pl.BlockSpec((sq, sq, sq, cs, bk), lambda i, h, j: (i, h, j, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, cs, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, kvh, nb, cs, bk), jnp.bfloat16),
+        ],
+        input_output_aliases={2: 1},
+        interpret=interpret,
+        name="pimlayers_flash_bounds_finish",
+        **params,
+    )(kmax, vmax, vs)
+    return ks, vs, km
