@@ -1,4 +1,5 @@
-"""The performance goals' standing, read from the newest results file that measures each.
+"""The performance goals' standing, read from the newest results file that measures each (goal 5:
+the newest three).
 
 One row per goal and case: the peer measured in the same run, our figure, the ratio the goal is
 stated in, the target, whether the figure meets it, and the file it came from. Goals (on one H200,
@@ -14,7 +15,8 @@ ratios side by side in one run; the CPU goal on the CI machine):
 4. the 4-layer Llama-3-8B-dimension training step, protected against unprotected with cuDNN's
    attention: >= 0.95 in tokens/s and MFU >= 0.50;
 5. CPU: protected Dense <= 1.3x plain at small sizes, i.e. plain / protected >= 1 / 1.3 (the worst
-   of the file's rows).
+   row of the newest three CPU files: one run's worst row moved by up to 0.3 between runs, so one
+   file alone could say "met" by luck).
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ def _latest(results: list[dict], suite: str, gpu: bool, want) -> dict | None:
         and any(want(row) for row in r["rows"])
     ]
     return max(found, key=lambda r: r["date"]) if found else None
+
+
+def _newest(results: list[dict], suite: str, gpu: bool, want, n: int) -> list[dict]:
+    """Up to ``n`` files as ``_latest`` finds one, newest first."""
+    found = [
+        r
+        for r in results
+        if r["suite"] == suite
+        and r["device"].startswith("gpu" if gpu else "cpu")
+        and any(want(row) for row in r["rows"])
+    ]
+    return sorted(found, key=lambda r: r["date"], reverse=True)[:n]
 
 
 def _num(v) -> bool:
@@ -103,11 +117,12 @@ def rows(results: list[dict]) -> list[dict]:
             also=r["mfu"] >= 0.50)  # fmt: skip
 
     dense = lambda r: _num(r.get("ratio")) and str(r.get("op", "")).startswith("fwd")
-    res = _latest(results, "matmul", False, dense)
-    if res:
-        found = list(filter(dense, res["rows"]))
-        w = min(found, key=lambda r: r["ratio"])
-        case = f"worst of {len(found)} rows: {w['op']}, block_n {w['block_n']}, M = {w['m']}"
+    files = _newest(results, "matmul", False, dense, 3)
+    if files:
+        found = [(f, row) for f in files for row in filter(dense, f["rows"])]
+        res, w = min(found, key=lambda fr: fr[1]["ratio"])
+        case = (f"worst of {len(found)} rows in the newest {len(files)} file(s): {w['op']}, block_n "
+                f"{w['block_n']}, M = {w['m']}")  # fmt: skip
         add(5, res, case, f"plain {w['plain_ms']:.3g} ms", f"{w['protected_ms']:.3g} ms", w["ratio"], 1 / 1.3,
             ">= 0.77 (1 / 1.3)")  # fmt: skip
     return out
@@ -120,8 +135,9 @@ def table(results: list[dict]) -> str:
         return ""
     lines = [
         "\n## Performance goals: where they stand\n\n",
-        "Read by `benchmarks/goals.py` from the newest results file that measures each goal (the "
-        "module's docstring states them); `ratio` is in the goal's own terms (higher is better).\n\n",
+        "Read by `benchmarks/goals.py` from the newest results file that measures each goal (goal 5: "
+        "the worst row of the newest three; the module's docstring states them); `ratio` is in the "
+        "goal's own terms (higher is better).\n\n",
         f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}\n",
     ]
     for r in rs:

@@ -136,8 +136,12 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
         res("matmul", "gpu:NVIDIA H200", "2026-12-02T00:00", [gemm, dict(gemm, block_n="row")], "new.json"),
         res("matmul", "cpu:cpu", "2026-12-02T00:00", [
             dict(op="fwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.2, ratio=1 / 1.2),
-            dict(op="fwd+bwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.4, ratio=1 / 1.4),
+            dict(op="fwd+bwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.1, ratio=1 / 1.1),
         ], "cpu.json"),
+        # Goal 5 reads the newest three CPU files: the second's 1.4x counts, the fourth's 2x does not.
+        *(res("matmul", "cpu:cpu", f"2026-12-01T0{i}:00", [
+            dict(op="fwd+bwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=p, ratio=1 / p),
+        ], f"cpu{i}.json") for i, p in ((3, 1.4), (2, 1.0), (1, 2.0))),
         res("memory", "gpu:NVIDIA H200", "2026-12-02T00:00", [
             dict(op="scrub (verify every stripe + parity)", gbytes=2.0, gbs=4000.0, vs_datasheet=4000 / 4800,
                  dev_gbs=4400.0, dev_vs_datasheet=4400 / 4800),
@@ -164,7 +168,8 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     step = by[(4, "recompute: none (skip)")]
     assert not step["met"] and step["peer"] == "cuDNN step 100 ms"  # 0.96 but MFU 0.49 < 0.50
     cpu = [r for r in rows if r["goal"] == 5]
-    assert len(cpu) == 1 and not cpu[0]["met"] and "fwd+bwd 256->1024" in cpu[0]["case"]  # 1.4x > 1.3x
+    assert len(cpu) == 1 and not cpu[0]["met"] and cpu[0]["file"] == "cpu3.json"  # 1.4x > 1.3x
+    assert "worst of 4 rows in the newest 3 file(s): fwd+bwd 256->1024" in cpu[0]["case"]
     assert not by[(2, "fwd, S")]["met"] and by[(2, "fwd, S, no recompute")]["met"]  # 0.80; 0.952
     assert [r["peer"] for r in rows if r["goal"] == 2] == ["cuDNN 1 ms"] * 2
     text = goals.table(results)
