@@ -67,12 +67,7 @@ def time_pair(
     next batches 60% slower and the plain one's 24%, recovering over ~100 calls; three calls each
     left that inside the timed rounds, whose median it then moved for a whole case.
     """
-    start = time.perf_counter()
-    done = 0
-    while done < warmup or time.perf_counter() - start < warmup_s:
-        jax.block_until_ready(a(*args_a))
-        jax.block_until_ready(b(*args_b))
-        done += 1
+    warm_up([(a, args_a), (b, args_b)], warmup, warmup_s)
     ta, tb = [], []
     for _ in range(repeats):
         ta.append(_batch(a, args_a, iters))
@@ -82,6 +77,16 @@ def time_pair(
         statistics.median(tb),
         statistics.median(x / y for x, y in zip(ta, tb, strict=True)),
     )
+
+
+def warm_up(calls, least: int = 3, seconds: float = 0.25) -> None:
+    """Call each (fn, args) in turn, waiting for each, for at least ``least`` rounds and ``seconds``
+    (:func:`time_pair` says why by time)."""
+    start, done = time.perf_counter(), 0
+    while done < least or time.perf_counter() - start < seconds:
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+        done += 1
 
 
 def fold_firsts(out):

@@ -3,29 +3,36 @@
 ``PIMLAYERS_CPU_ISA`` caps the kernels a native CPU call runs ("generic": the portable kernels,
 "avx2", "avx512"; csrc/cpu_isa.h) and is read on every call, so one process can alternate them.
 Per shape and column block, in rounds (the order reversed every other round, so drift falls on all
-alike): the plain XLA GEMM, then the protected GEMM under each cap, each timed over a batch of calls,
-after a warm-up of all of them (`benchmarks._harness.time_pair` says why it lasts 0.25 s).
-``ratio_<cap>`` is the median over the rounds of plain / protected (the matmul suite's ``ratio``);
-``<cap>_ms`` the median time. On a CPU without AVX-512 the "avx512" cap runs the AVX2 kernels
-(``cpu_has`` names what this CPU has).
+alike), each timed over a batch of calls after a warm-up of all of them
+(`benchmarks._harness.time_pair` says why it lasts 0.25 s):
+
+- "fwd", "fwd+bwd" (the matmul suite's cases, ``matmul.pairs``): the plain XLA GEMM, then the
+  protected GEMM under each cap. ``ratio_<cap>`` is the median over the rounds of plain /
+  protected (the matmul suite's ``ratio``), ``<cap>_ms`` the median time.
+- the native ops alone under each cap (``<cap>_ms``): "checks" (``abft_checks`` of x),
+  "finish" (``abft_finish`` of the product in place, per call of 50 in a loop, y in cache) and
+  "encode wT" (``abft_encode(transposed=True)``, the backward's checksums of wᵀ).
+
+On a CPU without AVX-512 the "avx512" cap runs the AVX2 kernels (``cpu_has`` names what this CPU
+has).
 
 python -m benchmarks.run --suite cpu-kernels --m 256 --dtype float32 --shapes small
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pimlayers import FaultPolicy, ops
 
-from ._harness import _batch
+from . import matmul
+from ._harness import _batch, warm_up
 
 CAPS = ("generic", "avx2", "avx512")
 
@@ -66,8 +73,14 @@ def run(
         for block_n in block_ns:
             policy = FaultPolicy(block_n=block_n)
             for k, n in shapes:
-                for op in ("fwd", "fwd+bwd"):
-                    rows.append(_case(op, m, k, n, dtype, policy, rounds, iters))
+                cases = matmul.pairs(m, k, n, dtype, policy)
+                base = dict(m=m, block_n=block_n or "row", cpu_has=cpu_has(), rounds=rounds)
+                for op, case in cases.items():
+                    rows.append(dict(op=f"{op} {k}->{n}", **base) | _gemms(op, k, n, case, rounds, iters))
+                for op, (fn, args, per) in _ops(k, block_n, *cases["fwd"][3]).items():
+                    times = _rounds([(cap, _under(cap, fn), args) for cap in CAPS], rounds, iters)
+                    ms = {f"{c}_ms": statistics.median(t) * 1e3 / per for c, t in times.items()}
+                    rows.append(dict(op=f"{op} {k}->{n}", **base) | ms)
     finally:
         if before is None:
             os.environ.pop("PIMLAYERS_CPU_ISA", None)
@@ -76,27 +89,42 @@ def run(
     return rows
 
 
-def _case(op: str, m: int, k: int, n: int, dtype, policy: FaultPolicy, rounds: int, iters: int) -> dict:
-    kx, kw = jax.random.split(jax.random.key(k + n))
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-    g = jax.random.normal(jax.random.key(7), (m, n), jnp.float32).astype(dtype)
-    enc = ops.abft_encode(w, policy.block_n)
-    if op == "fwd":
-        plain = jax.jit(jnp.matmul)
-        prot = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=policy))
-        args_p, args_q = (x, w), (x, w, enc)
-    else:  # as the matmul suite: value and gradient of sum(y * g)
+_LOOP = 50  # finishes per timed call: in a loop, each in place on the last one's output
 
-        def loss_plain(a, b, c):
-            return jnp.sum((jnp.matmul(a, b) * c).astype(jnp.float32))
 
-        def loss_prot(a, b, e, c):
-            return jnp.sum((ops.protected_matmul(a, b, e, policy=policy)[0] * c).astype(jnp.float32))
+def _ops(k: int, block_n, x, w, enc) -> dict:
+    """The native ops of a protected forward alone: (fn, its args, ops per call)."""
+    c, mag = ops.abft_checks(x, enc)
+    y = x @ w
 
-        plain = jax.jit(jax.value_and_grad(loss_plain, argnums=(0, 1)))
-        prot = jax.jit(jax.value_and_grad(loss_prot, argnums=(0, 1)))
-        args_p, args_q = (x, w, g), (x, w, enc, g)
+    def finishes(y, c, mag):
+        one = lambda i, v: ops.abft_finish(v, c, mag, k=k, block_n=block_n, out_dtype=v.dtype)[0]
+        return lax.fori_loop(0, _LOOP, one, y)
+
+    return {
+        "checks": (jax.jit(lambda v, e: ops.abft_checks(v, e, impl="native")), (x, enc), 1),
+        "finish": (jax.jit(finishes), (y, c, mag), _LOOP),
+        "encode wT": (
+            jax.jit(lambda v: ops.abft_encode(v, block_n, transposed=True, impl="native")),
+            (w,),
+            1,
+        ),
+    }
+
+
+def _rounds(fns, rounds: int, iters: int) -> dict:
+    """Seconds per call of each (name, fn, args), one per round: batches in rounds, the order
+    reversed every other round, after a warm-up of all of them."""
+    warm_up([(f, a) for _, f, a in fns])
+    times = {name: [] for name, _, _ in fns}
+    for r in range(rounds):
+        for name, f, a in fns if r % 2 == 0 else fns[::-1]:
+            times[name].append(_batch(f, a, iters))
+    return times
+
+
+def _gemms(op: str, k: int, n: int, case, rounds: int, iters: int) -> dict:
+    plain, prot, args_p, args_q = case
     fns = [("plain", plain, args_p)] + [(cap, _under(cap, prot), args_q) for cap in CAPS]
     want = jax.tree.map(np.asarray, plain(*args_p))
     for cap, f, a in fns[1:]:  # every kernel's result first: the plain one's, no detection
@@ -109,18 +137,8 @@ def _case(op: str, m: int, k: int, n: int, dtype, policy: FaultPolicy, rounds: i
             )
         if op == "fwd" and out[1].to_dict()["gemm_detected"]:
             raise AssertionError(f"{cap}: false detection at {k}->{n}: {out[1].to_dict()}")
-    start = time.perf_counter()  # warm, as time_pair: at least 3 calls each and 0.25 s in all
-    for calls in itertools.count():
-        if calls >= 3 and time.perf_counter() - start >= 0.25:
-            break
-        for _, f, a in fns:
-            jax.block_until_ready(f(*a))
-    times = {name: [] for name, _, _ in fns}
-    for r in range(rounds):
-        for name, f, a in fns if r % 2 == 0 else fns[::-1]:
-            times[name].append(_batch(f, a, iters))
-    row = dict(op=f"{op} {k}->{n}", m=m, block_n=policy.block_n or "row", cpu_has=cpu_has(), rounds=rounds)
-    row["plain_ms"] = statistics.median(times["plain"]) * 1e3
+    times = _rounds(fns, rounds, iters)
+    row = dict(plain_ms=statistics.median(times["plain"]) * 1e3)
     for cap in CAPS:
         row[f"{cap}_ms"] = statistics.median(times[cap]) * 1e3
     for cap in CAPS:

@@ -33,54 +33,72 @@ def run(m: int = 8192, shapes=SHAPES, dtype=jnp.bfloat16, block_ns=(None, 128)) 
     return rows
 
 
-def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
-    rows = []
+def pairs(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> dict:
+    """What the matmul suites time, per mode: (plain, protected, plain's args, protected's args).
+
+    "fwd": y = x @ w. "fwd+bwd": value_and_grad of sum(y * g) with respect to x and w (the loss
+    value needs y, so both sides run all three GEMMs, as training does), g a random cotangent
+    passed as an argument: a constant (e.g. ones) lets XLA fold the backward.
+    """
     kx, kw = jax.random.split(jax.random.key(k + n))
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-    # A random cotangent passed as an argument: a constant (e.g. ones) lets XLA fold the backward.
     g = jax.random.normal(jax.random.key(7), (m, n), jnp.float32).astype(dtype)
     enc = ops.abft_encode(w, policy.block_n)
 
-    plain = jax.jit(lambda a, b: jnp.matmul(a, b))
-    prot = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=policy))
-    fz = policy.replace(fused=True)
-    fused = jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=fz))
+    def loss_plain(a, b, c):
+        return jnp.sum((jnp.matmul(a, b) * c).astype(jnp.float32))
+
+    def loss_prot(a, b, e, c):
+        return jnp.sum((ops.protected_matmul(a, b, e, policy=policy)[0] * c).astype(jnp.float32))
+
+    return {
+        "fwd": (
+            jax.jit(lambda a, b: jnp.matmul(a, b)),
+            jax.jit(lambda a, b, e: ops.protected_matmul(a, b, e, policy=policy)),
+            (x, w),
+            (x, w, enc),
+        ),
+        "fwd+bwd": (
+            jax.jit(jax.value_and_grad(loss_plain, argnums=(0, 1))),
+            jax.jit(jax.value_and_grad(loss_prot, argnums=(0, 1))),
+            (x, w, g),
+            (x, w, enc, g),
+        ),
+    }
+
+
+def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
+    rows = []
     # Elsewhere than a Hopper GPU (or at whole-row blocks) "fused" would time the default again.
     with_fused = hopper() and policy.block_n == TILE
-    y0 = plain(x, w)
-    for f in (prot, fused) if with_fused else (prot,):
-        y1, rep = f(x, w, enc)
+    cases = pairs(m, k, n, dtype, policy)
+    fused = pairs(m, k, n, dtype, policy.replace(fused=True)) if with_fused else None
+    plain, prot, args_p, args_q = cases["fwd"]
+    y0 = plain(*args_p)
+    for f in (prot, fused["fwd"][1]) if with_fused else (prot,):
+        y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
         if rep.to_dict()["gemm_detected"] or err > 0.05:
             raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
     flops = 2.0 * m * k * n
-    t0, t1, ratio = time_pair(plain, (x, w), prot, (x, w, enc))
+    t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
     extra = {}
     if with_fused:
-        t2 = time_fn(fused, x, w, enc)
+        t2 = time_fn(fused["fwd"][1], *args_q)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
-    # value_and_grad: the loss value needs y, so both sides run all three GEMMs, as training does.
-    def loss_plain(a, b, c):
-        return jnp.sum((jnp.matmul(a, b) * c).astype(jnp.float32))
-
-    def loss_prot(a, b, e, c, p=policy):
-        return jnp.sum((ops.protected_matmul(a, b, e, policy=p)[0] * c).astype(jnp.float32))
-
-    plain_g = jax.jit(jax.value_and_grad(loss_plain, argnums=(0, 1)))
-    prot_g = jax.jit(jax.value_and_grad(loss_prot, argnums=(0, 1)))
-    fused_g = jax.jit(jax.value_and_grad(lambda *a: loss_prot(*a, p=fz), argnums=(0, 1)))
-    (_, gp), (_, gq) = plain_g(x, w, g), prot_g(x, w, enc, g)
+    plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
+    (_, gp), (_, gq) = plain_g(*args_p), prot_g(*args_q)
     gerr = max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(gp, gq, strict=True)
     )
-    t0, t1, ratio = time_pair(plain_g, (x, w, g), prot_g, (x, w, enc, g))
+    t0, t1, ratio = time_pair(plain_g, args_p, prot_g, args_q)
     extra = {}
     if with_fused:
-        t2 = time_fn(fused_g, x, w, enc, g)
+        t2 = time_fn(fused["fwd+bwd"][1], *args_q)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows

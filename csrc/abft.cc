@@ -553,8 +553,7 @@ ffi::Error AbftEncodeCpu(ffi::ThreadPool pool, ffi::AnyBuffer w, int64_t block_n
     return e;
   }
   CpuIsa isa;
-  std::string isa_err;
-  if (!ChooseCpuIsa(&isa, &isa_err)) return BadArg("abft_encode", isa_err);
+  if (auto e = CpuIsaFor("abft_encode", &isa); e.failure()) return e;
   const bool wide = isa == CpuIsa::kAvx512;
   if (io.groups * io.k * io.nb == 0) return ffi::Error::Success();
   switch (io.kind) {
@@ -582,8 +581,7 @@ ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer c
       e.failure())
     return e;
   CpuIsa isa;
-  std::string isa_err;
-  if (!ChooseCpuIsa(&isa, &isa_err)) return BadArg("abft_check", isa_err);
+  if (auto e = CpuIsaFor("abft_check", &isa); e.failure()) return e;
   void* out = y_out->untyped_data();
   if (out != y.untyped_data()) std::memcpy(out, y.untyped_data(), y.size_bytes());
   AbftIo io{out,
@@ -618,8 +616,7 @@ ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer 
     return e;
   if (auto e = CheckFinishOutputs(y, *y_out, *counts, rows * nb, &out_kind); e.failure()) return e;
   CpuIsa isa;
-  std::string isa_err;
-  if (!ChooseCpuIsa(&isa, &isa_err)) return BadArg("abft_finish", isa_err);
+  if (auto e = CpuIsaFor("abft_finish", &isa); e.failure()) return e;
   AbftIo io{y.untyped_data(),
             kind,
             y_out->untyped_data(),

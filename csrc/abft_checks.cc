@@ -332,8 +332,7 @@ ffi::Error AbftChecksCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   const float* s = static_cast<const float*>(sums.untyped_data());
   const float* a = static_cast<const float*>(abs_sums.untyped_data());
   CpuIsa isa;
-  std::string isa_err;
-  if (!ChooseCpuIsa(&isa, &isa_err)) return BadArg("abft_checks", isa_err);
+  if (auto e = CpuIsaFor("abft_checks", &isa); e.failure()) return e;
 #if !defined(PL_CHECKS_SIMD)
   isa = CpuIsa::kGeneric;  // this build has no vector kernels
 #endif

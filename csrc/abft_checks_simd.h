@@ -96,12 +96,6 @@ __attribute__((always_inline)) inline void Steps(const float* const* x, int64_t 
   }
 }
 
-template <int P, bool kAbs>
-void PhasedPass(const float* const* x, int64_t steps, const float* panel, int64_t ld,
-                float (*out)[I::kMaxV * I::L]) {
-  Steps<P, 1, kAbs>(x, steps, panel, ld, out);
-}
-
 template <bool kAbs>
 void Pass(const float* const* x, int64_t steps, int p, int v, const float* panel, int64_t ld,
           float (*out)[I::kMaxV * I::L]) {
@@ -111,13 +105,13 @@ void Pass(const float* const* x, int64_t steps, int p, int v, const float* panel
       if (v == 2) return Steps<1, 2, kAbs>(x, steps, panel, ld, out);
       return Steps<1, I::kMaxV, kAbs>(x, steps, panel, ld, out);
     case 2:
-      return PhasedPass<2, kAbs>(x, steps, panel, ld, out);
+      return Steps<2, 1, kAbs>(x, steps, panel, ld, out);
     case 4:
-      return PhasedPass<4, kAbs>(x, steps, panel, ld, out);
+      return Steps<4, 1, kAbs>(x, steps, panel, ld, out);
     case 8:
-      return PhasedPass<8, kAbs>(x, steps, panel, ld, out);
+      return Steps<8, 1, kAbs>(x, steps, panel, ld, out);
     default:
-      return PhasedPass<I::L, kAbs>(x, steps, panel, ld, out);
+      return Steps<I::L, 1, kAbs>(x, steps, panel, ld, out);
   }
 }
 

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "common.h"
+
 namespace pimlayers {
 
 enum class CpuIsa { kGeneric, kAvx2, kAvx512 };
@@ -34,6 +36,12 @@ inline bool ChooseCpuIsa(CpuIsa* isa, std::string* err) {
   }
 #endif
   return true;
+}
+
+// ChooseCpuIsa for a handler: its error names the op.
+inline ffi::Error CpuIsaFor(const std::string& op, CpuIsa* isa) {
+  std::string err;
+  return ChooseCpuIsa(isa, &err) ? ffi::Error::Success() : BadArg(op, err);
 }
 
 }  // namespace pimlayers

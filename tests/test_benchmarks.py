@@ -102,10 +102,13 @@ def test_cpu_kernels_suite_times_each_cap_and_restores_the_environment(monkeypat
 
     monkeypatch.setattr(cpu_kernels, "_batch", batch)
     rows = cpu_kernels.run(m=16, shapes=((24, 40),), block_ns=(16,), rounds=2, iters=2)
-    assert [r["op"] for r in rows] == ["fwd 24->40", "fwd+bwd 24->40"]
-    for r in rows:
+    ops_ = ["fwd 24->40", "fwd+bwd 24->40", "checks 24->40", "finish 24->40", "encode wT 24->40"]
+    assert [r["op"] for r in rows] == ops_
+    for r in rows[:2]:
         assert r["block_n"] == 16 and r["rounds"] == 2 and r["cpu_has"] in cpu_kernels.CAPS
         assert all(r[f"{c}_ms"] > 0 and r[f"ratio_{c}"] > 0 for c in cpu_kernels.CAPS)
+    for r in rows[2:]:  # the native ops alone: a time per cap, no plain peer
+        assert all(r[f"{c}_ms"] > 0 for c in cpu_kernels.CAPS) and "plain_ms" not in r
     # Each protected batch ran under its own cap (the plain one under whatever was set before it).
     assert set(seen) >= set(cpu_kernels.CAPS)
     assert os.environ["PIMLAYERS_CPU_ISA"] == "avx2"

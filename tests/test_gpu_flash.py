@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import TraceCounter
 
+from benchmarks.bounds import _same_tiles
 from pimlayers import layers as L
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
@@ -87,14 +88,7 @@ def test_bounds_kernel_tiles_are_xlas_on_the_gpu(hopper, shape):
     want = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0))(k, v)
     cfg = ops.FlashConfig(bounds_kernel=True)
     got = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg))(k, v)
-    for a, w, sums in zip(got, want, ((0,), (0, 3), (0,)), strict=True):
-        a32, w32 = np.asarray(a, np.float32), np.asarray(w, np.float32)
-        for i in sums:
-            ha = a32[..., i, :] + np.float64(a32[..., i + 1, :])
-            hw = w32[..., i, :] + np.float64(w32[..., i + 1, :])
-            assert np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw))
-        rest = [r for r in range(8) if not any(r in (i, i + 1) for i in sums)]
-        assert np.array_equal(a32[..., rest, :], w32[..., rest, :])
+    _same_tiles(got, want)  # hi + lo of each sum to f32 rounding; the constant rows equal
 
 
 def test_attention_core_takes_the_kernel_and_corrects(hopper):

@@ -26,17 +26,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ._abft import _bf16_head
-
-
-def _split(x):
-    """f32 -> (hi, lo) in bf16 as ``_flash._split`` (the head by bit arithmetic, never elided)."""
-    head = _bf16_head(x)
-    return head.astype(jnp.bfloat16), (x - head).astype(jnp.bfloat16)
+from ._flash import _split
 
 
 def _rows(n: int, cols: int, *values):
-    """(n, cols) bf16: row i = values[i] (a (cols,) array or a scalar) for i < len(values), then 0."""
+    """(n, cols) bf16: row i = values[i] (a (cols,) array or a scalar) for i < len(values), then 0.
+    ``_flash._tile``'s rows, built with selects: Pallas' Triton lowering concatenates only two
+    arrays along their last axis."""
     row = lax.broadcasted_iota(jnp.int32, (n, cols), 0)
     out = jnp.zeros((n, cols), jnp.bfloat16)
     for i, val in enumerate(values):
