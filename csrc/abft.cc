@@ -206,9 +206,9 @@ BlockSums SumBlock<FloatKind::kBF16>(const void* yv, int64_t j0, int64_t n) {
 // in one 16-lane vector per sum (masked loads for a block's last values: no scalar tail), flushed
 // into f64 every 256 values as there. A 128-column block is only 8 steps, so a call per block, its
 // returned struct and the checks on it cost as much as the sums: in a loop of finishes of one y in
-// cache (f32, 256 x 1024, 2-core AMD EPYC, 2026-12-04, the two alternating in one process)
-// 128-column blocks took 46 us a call a block at a time and 24 us a row at a time (1024-column
-// blocks: 12 us).
+// cache (f32, 256 x 1024, 128-column blocks, 2-core AMD EPYC, 2026-12-05) 37 us a finish a block
+// at a time and 24 us a row at a time (`python -m benchmarks.run --suite cpu-kernels`: its finish
+// rows, the first under PIMLAYERS_CPU_ISA=generic).
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 namespace avx512 {

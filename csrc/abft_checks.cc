@@ -6,8 +6,9 @@
 // Two kernels. Where the CPU has AVX-512 or AVX2 (and the compiler can target them per function),
 // the vector kernel of abft_checks_simd.h: x's values broadcast against a panel whose lanes are the
 // check columns, so no horizontal sums per k. A jitted call on a 2-core AMD EPYC (f32, 256 rows,
-// 128-column blocks; 2026-12-04): 30 us with AVX-512 and 37 with AVX2 against 70 for the portable
-// kernel at K = 256, N = 1024 (nb = 8); 36, 46 and 60 us at K = 1024, N = 256 (nb = 2).
+// 128-column blocks; 2026-12-05, `python -m benchmarks.run --suite cpu-kernels`, its checks rows):
+// 27 us with AVX-512 and 37 with AVX2 against 67 for the portable kernel at K = 256, N = 1024
+// (nb = 8); 34, 45 and 52 us at K = 1024, N = 256 (nb = 2).
 // Elsewhere, and with PIMLAYERS_CPU_ISA=generic (cpu_isa.h), the portable kernel
 // below: the 3nb checksum columns as rows of a panel (3nb, K), each pair of x's rows dotted with
 // them eight k at a time: a vector of x is loaded once for up to four columns, |x| is a bit mask

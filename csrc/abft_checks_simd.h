@@ -57,7 +57,7 @@ inline int64_t PanelFloats(int64_t k, const PartLayout& lay) {
 // acc[i][v] over all whole steps for R rows, V vectors from `panel` (`ld` floats per step). With
 // fewer than 8 accumulators, even and odd steps go to two sets: an FMA's latency (4 cycles) over 4
 // chains capped an AVX2 pass (R = 4, one vector) at half the FMA units' rate (52 -> 36 us at
-// 256 x 1024, nb = 2, on one core).
+// 256 x 1024, nb = 2, on one core: a probe of the kernel alone, not kept).
 template <int P, int V, bool kAbs>
 __attribute__((always_inline)) inline void Steps(const float* const* x, int64_t steps,
                                                  const float* panel, int64_t ld,
