@@ -241,6 +241,7 @@ void RunTiles(const Job& j, int64_t t0, int64_t t1) {
       default:
         break;
     }
+#if defined(PL_CHECKS_SIMD)
     if (j.isa != CpuIsa::kGeneric) {
       const float* x[kTileRows];
       float* c[kTileRows];
@@ -251,7 +252,6 @@ void RunTiles(const Job& j, int64_t t0, int64_t t1) {
         c[i] = j.c + (g * j.rows + r) * 2 * j.nb;
         m[i] = j.mag + (g * j.rows + r) * j.nb;
       }
-#if defined(PL_CHECKS_SIMD)
       if (j.isa == CpuIsa::kAvx512) {
         avx512::Rows(x, rows, j.k, j.nb, j.sums, j.abs_sums,
                      *static_cast<const avx512::Panels*>(j.panels), g, c, m);
@@ -259,9 +259,9 @@ void RunTiles(const Job& j, int64_t t0, int64_t t1) {
         avx2::Rows(x, rows, j.k, j.nb, j.sums, j.abs_sums,
                    *static_cast<const avx2::Panels*>(j.panels), g, c, m);
       }
-#endif
       continue;
     }
+#endif
     const float* panel = j.panel + g * 3 * j.nb * j.k;
     for (int64_t i = 0; i < rows; i += kRows) {
       const int n = static_cast<int>(std::min<int64_t>(kRows, rows - i));
