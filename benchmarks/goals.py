@@ -1,5 +1,5 @@
 """The performance goals' standing, read from the newest results file that measures each (goal 5:
-the newest three).
+the newest three), and their history over every file that measures them.
 
 One row per goal and case: the peer measured in the same run, our figure, the ratio the goal is
 stated in, the target, whether the figure meets it, and the file it came from. Goals (on one H200,
@@ -17,115 +17,184 @@ ratios side by side in one run; the CPU goal on the CI machine):
 5. CPU: protected Dense <= 1.3x plain at small sizes, i.e. plain / protected >= 1 / 1.3 (the worst
    row of the newest three CPU files: one run's worst row moved by up to 0.3 between runs, so one
    file alone could say "met" by luck).
+
+``figure`` draws the history: per goal and results file, the best and the worst case's ratio.
 """
 
 from __future__ import annotations
 
 import math
+import pathlib
+from collections.abc import Callable
 
-__all__ = ["rows", "table"]
+__all__ = ["figure", "history", "rows", "table"]
 
 COLUMNS = ("goal", "case", "peer", "ours", "ratio", "target", "met", "file")
-
-
-def _latest(results: list[dict], suite: str, gpu: bool, want) -> dict | None:
-    """The newest file (by its timestamp) of ``suite`` on a GPU (or the CPU) with a row ``want`` takes."""
-    found = [
-        r
-        for r in results
-        if r["suite"] == suite
-        and r["device"].startswith("gpu" if gpu else "cpu")
-        and any(want(row) for row in r["rows"])
-    ]
-    return max(found, key=lambda r: r["date"]) if found else None
-
-
-def _newest(results: list[dict], suite: str, gpu: bool, want, n: int) -> list[dict]:
-    """Up to ``n`` files as ``_latest`` finds one, newest first."""
-    found = [
-        r
-        for r in results
-        if r["suite"] == suite
-        and r["device"].startswith("gpu" if gpu else "cpu")
-        and any(want(row) for row in r["rows"])
-    ]
-    return sorted(found, key=lambda r: r["date"], reverse=True)[:n]
+CPU_FILES = 3  # goal 5 is judged by the worst row of this many newest CPU files
 
 
 def _num(v) -> bool:
     return isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
 
 
+def _row(goal, res, case, peer, ours, ratio, least: float, target: str = "", also: bool = True) -> dict:
+    met = ratio >= least and also
+    target = target or f">= {least:.2f}"
+    return dict(
+        goal=goal, case=case, peer=peer, ours=ours, ratio=ratio, target=target, met=met, file=res["file"]
+    )
+
+
+def _gemm(res: dict) -> list[dict]:
+    want = lambda r: r.get("m") == 8192 and r.get("block_n") == 128 and _num(r.get("ratio"))
+    out = []
+    for r in filter(want, res["rows"]):
+        peer, ours = f"XLA GEMM {r['plain_ms']:.3g} ms", f"{r['protected_ms']:.3g} ms"
+        out.append(_row(1, res, r["op"], peer, ours, r["ratio"], 1.0))
+    return out
+
+
+def _attention(res: dict) -> list[dict]:
+    core = "pimlayers attention_core, protected (flash"
+    want = lambda r: str(r.get("op", "")).startswith(core) and _num(r.get("vs_cudnn"))
+    cudnn = {r["mode"]: r for r in res["rows"] if r.get("op") == "cuDNN flash attention"}
+    out = []
+    for r in filter(want, res["rows"]):
+        if r["mode"] in cudnn:
+            case = f"{r['mode']}, {r['shape']}" + (", no recompute" if "no recompute" in r["op"] else "")
+            peer = f"cuDNN {cudnn[r['mode']]['ms']:.3g} ms"
+            out.append(_row(2, res, case, peer, f"{r['ms']:.3g} ms", r["vs_cudnn"], 0.93))
+    return out
+
+
+def _scrub(res: dict) -> list[dict]:
+    want = lambda r: str(r.get("op", "")).startswith("scrub (") or r.get("op") == "scrub, float32 parameters"
+    out = []
+    for r in filter(want, res["rows"]):
+        timings = (("dev_vs_datasheet", "kernels' time", "dev_gbs"), ("vs_datasheet", "timed loop", "gbs"))
+        for key, how, gbs in timings:
+            if _num(r.get(key)):
+                case = f"{r['op']}, {r['gbytes']:.3g} GB, {how}"
+                out.append(_row(3, res, case, "4.8 TB/s (datasheet)", f"{r[gbs]:.0f} GB/s", r[key], 0.90))
+    return out
+
+
+def _step(res: dict) -> list[dict]:
+    want = lambda r: r.get("protect") is True and _num(r.get("on_over_cudnn"))
+    peer = next((r for r in res["rows"] if r.get("attention") == "cuDNN"), None)
+    out = []
+    for r in filter(want, res["rows"]):
+        case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
+        theirs = f"cuDNN step {peer['step_ms']:.4g} ms" if peer else ""
+        ours = f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}"
+        row = _row(
+            4, res, case, theirs, ours, r["on_over_cudnn"], 0.95, ">= 0.95, MFU >= 0.50", r["mfu"] >= 0.50
+        )
+        out.append(dict(row, mfu=r["mfu"]))
+    return out
+
+
+def _dense(res: dict) -> list[dict]:
+    want = lambda r: _num(r.get("ratio")) and str(r.get("op", "")).startswith("fwd")
+    out = []
+    for r in filter(want, res["rows"]):
+        case = f"{r['op']}, block_n {r['block_n']}, M = {r['m']}"
+        peer, ours = f"plain {r['plain_ms']:.3g} ms", f"{r['protected_ms']:.3g} ms"
+        out.append(_row(5, res, case, peer, ours, r["ratio"], 1 / 1.3, ">= 0.77 (1 / 1.3)"))
+    return out
+
+
+# goal: (suite, on a GPU, the file's rows in the goal's terms, what the goal asks, its target)
+GOALS: dict[int, tuple[str, bool, Callable[[dict], list[dict]], str, float]] = {
+    1: ("matmul", True, _gemm, "protected GEMM: plain / protected", 1.0),
+    2: ("peers", True, _attention, "protected attention: vs cuDNN", 0.93),
+    3: ("memory", True, _scrub, "scrub: bandwidth / 4.8 TB/s", 0.90),
+    4: ("llama3-1dev", True, _step, "training step: protected / cuDNN step", 0.95),
+    5: ("matmul", False, _dense, "CPU Dense: plain / protected", 1 / 1.3),
+}
+
+
+def _files(results: list[dict], goal: int) -> list[dict]:
+    """The files that measure ``goal``, each with its rows in the goal's terms, newest first."""
+    suite, gpu, of, *_ = GOALS[goal]
+    found = [
+        dict(res, goal_rows=of(res))
+        for res in results
+        if res["suite"] == suite and res["device"].startswith("gpu" if gpu else "cpu")
+    ]
+    return sorted((f for f in found if f["goal_rows"]), key=lambda f: f["date"], reverse=True)
+
+
 def rows(results: list[dict]) -> list[dict]:
     """``results``: every results file as loaded, each with its ``file`` name added."""
     out: list[dict] = []
-
-    def add(goal, res, case, peer, ours, ratio, least: float, target: str = "", also: bool = True):
-        target = target or f">= {least:.2f}"
-        met = ratio >= least and also
-        out.append(dict(goal=goal, case=case, peer=peer, ours=ours, ratio=ratio, target=target, met=met,
-                        file=res["file"]))  # fmt: skip
-
-    gemm = lambda r: r.get("m") == 8192 and r.get("block_n") == 128 and _num(r.get("ratio"))
-    res = _latest(results, "matmul", True, gemm)
-    for r in filter(gemm, res["rows"] if res else []):
-        add(
-            1,
-            res,
-            r["op"],
-            f"XLA GEMM {r['plain_ms']:.3g} ms",
-            f"{r['protected_ms']:.3g} ms",
-            r["ratio"],
-            1.0,
-        )
-
-    core = "pimlayers attention_core, protected (flash"
-    attn = lambda r: str(r.get("op", "")).startswith(core) and _num(r.get("vs_cudnn"))
-    res = _latest(results, "peers", True, attn)
-    cudnn = {r["mode"]: r for r in res["rows"] if r.get("op") == "cuDNN flash attention"} if res else {}
-    for r in filter(attn, res["rows"] if res else []):
-        if r["mode"] in cudnn:
-            case = f"{r['mode']}, {r['shape']}" + (", no recompute" if "no recompute" in r["op"] else "")
-            add(
-                2,
-                res,
-                case,
-                f"cuDNN {cudnn[r['mode']]['ms']:.3g} ms",
-                f"{r['ms']:.3g} ms",
-                r["vs_cudnn"],
-                0.93,
-            )
-
-    scrub = lambda r: str(r.get("op", "")).startswith("scrub (") or r.get("op") == "scrub, float32 parameters"
-    res = _latest(results, "memory", True, lambda r: scrub(r) and _num(r.get("vs_datasheet")))
-    for r in filter(scrub, res["rows"] if res else []):
-        for key, how, gbs in (
-            ("dev_vs_datasheet", "kernels' time", "dev_gbs"),
-            ("vs_datasheet", "timed loop", "gbs"),
-        ):
-            if _num(r.get(key)):
-                case = f"{r['op']}, {r['gbytes']:.3g} GB, {how}"
-                add(3, res, case, "4.8 TB/s (datasheet)", f"{r[gbs]:.0f} GB/s", r[key], 0.90)
-
-    step = lambda r: r.get("protect") is True and _num(r.get("on_over_cudnn"))
-    res = _latest(results, "llama3-1dev", True, step)
-    peer = next((r for r in res["rows"] if r.get("attention") == "cuDNN"), None) if res else None
-    for r in filter(step, res["rows"] if res else []):
-        case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
-        add(4, res, case, f"cuDNN step {peer['step_ms']:.4g} ms" if peer else "",
-            f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}", r["on_over_cudnn"], 0.95, ">= 0.95, MFU >= 0.50",
-            also=r["mfu"] >= 0.50)  # fmt: skip
-
-    dense = lambda r: _num(r.get("ratio")) and str(r.get("op", "")).startswith("fwd")
-    files = _newest(results, "matmul", False, dense, 3)
-    if files:
-        found = [(f, row) for f in files for row in filter(dense, f["rows"])]
-        res, w = min(found, key=lambda fr: fr[1]["ratio"])
-        case = (f"worst of {len(found)} rows in the newest {len(files)} file(s): {w['op']}, block_n "
-                f"{w['block_n']}, M = {w['m']}")  # fmt: skip
-        add(5, res, case, f"plain {w['plain_ms']:.3g} ms", f"{w['protected_ms']:.3g} ms", w["ratio"], 1 / 1.3,
-            ">= 0.77 (1 / 1.3)")  # fmt: skip
+    for goal in (1, 2, 3, 4):
+        files = _files(results, goal)
+        out += [{k: v for k, v in r.items() if k in COLUMNS} for r in files[0]["goal_rows"]] if files else []
+    found = [r for f in _files(results, 5)[:CPU_FILES] for r in f["goal_rows"]]
+    if found:
+        worst = min(found, key=lambda r: r["ratio"])
+        n = len({r["file"] for r in found})
+        out.append(dict(worst, case=f"worst of {len(found)} rows in the newest {n} file(s): {worst['case']}"))
     return out
+
+
+def history(results: list[dict]) -> list[dict]:
+    """Per goal and file that measures it, oldest first: the date, the best and the worst case's ratio
+    and the number of cases (goal 4 also the best case's MFU)."""
+    out = []
+    for goal in GOALS:
+        for f in reversed(_files(results, goal)):
+            rs = f["goal_rows"]
+            best = max(rs, key=lambda r: r["ratio"])
+            worst = min(r["ratio"] for r in rs)
+            point = dict(
+                goal=goal, date=f["date"], file=f["file"], best=best["ratio"], worst=worst, cases=len(rs)
+            )
+            out.append(dict(point, best_case=best["case"], mfu=best.get("mfu")))
+    return out
+
+
+def figure(results: list[dict], path: pathlib.Path) -> None:
+    """Draw ``history`` to ``path`` (PNG): one panel per goal, its target dashed. Needs matplotlib."""
+    import matplotlib
+
+    points = history(results)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, goal in zip(axes.flat, GOALS, strict=False):
+        _, gpu, _, title, target = GOALS[goal]
+        ps = [p for p in points if p["goal"] == goal]
+        ax.set_title(f"goal {goal}: {title} >= {target:.2f}", fontsize=9)
+        ax.axhline(target, color="grey", ls="--", lw=1, label="the goal's target")
+        if ps:
+            # Files in the order they were written, evenly spaced (some days hold a dozen runs), each
+            # day's first file labelled with its date.
+            at = range(len(ps))
+            ax.vlines(at, [p["worst"] for p in ps], [p["best"] for p in ps], color="C0", alpha=0.35, lw=2)
+            ax.plot(at, [p["best"] for p in ps], "o-", ms=4, lw=1, color="C0", label="best case")
+            ax.plot(at, [p["worst"] for p in ps], "v", ms=4, color="C0", alpha=0.6, label="worst case")
+            if goal == 4:
+                ax.plot(at, [p["mfu"] for p in ps], "s-", ms=3, lw=1, color="C1", label="best case's MFU")
+                ax.axhline(0.50, color="C1", ls=":", lw=1, label="MFU target 0.50")
+            days = [i for i, p in enumerate(ps) if i == 0 or p["date"][:10] != ps[i - 1]["date"][:10]]
+            ax.set_xticks(days, [ps[i]["date"][5:10] for i in days], rotation=60)
+            ax.set_xlabel("results files, oldest first (month-day)", fontsize=8)
+        ax.set_ylabel("ratio (higher is better)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.text(0.01, 0.98, "one H200" if gpu else "CI's CPU", transform=ax.transAxes, va="top", fontsize=7)
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]}
+    for ax in list(axes.flat)[len(GOALS) :]:
+        ax.axis("off")
+    axes.flat[-1].legend(handles.values(), handles.keys(), loc="center", fontsize=9)
+    title = "Performance goals per results file (benchmarks/results/), drawn by python -m benchmarks.report"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
 
 
 def table(results: list[dict]) -> str:

@@ -193,6 +193,16 @@ median over the rounds of plain / protected, as the matmul table's `ratio`; `cpu
 level the CPU reports (below it, a higher cap runs the lower kernels).
 """
 
+FIGURE = """
+The goals' history, one point per results file that measures the goal (`goals.history`): the best
+and the worst case of each file (goal 1: the four shapes, forward and forward+backward; goal 2: the
+modes, with and without the recompute loop; goal 3: both timings of each scrub; goal 4: each
+recompute policy, with the best case's MFU; goal 5: every forward and forward+backward row of the
+file, not the newest three together as the table judges it).
+
+![The performance goals per results file](goals.png)
+"""
+
 
 def _cell(v) -> str:
     if v is None:
@@ -204,7 +214,16 @@ def _cell(v) -> str:
 
 def render() -> None:
     loaded = [(path, json.loads(path.read_text())) for path in sorted(RESULTS.glob("*.json"))]
-    parts = [HEADER, goals.table([dict(data, file=path.name) for path, data in loaded])]
+    results = [dict(data, file=path.name) for path, data in loaded]
+    parts = [HEADER, goals.table(results)]
+    png = ROOT / "docs" / "goals.png"
+    if goals.history(results):
+        try:
+            goals.figure(results, png)
+        except ImportError:  # a machine with jax but without matplotlib keeps the last drawing
+            print("benchmarks.report: matplotlib is not installed; docs/goals.png was not redrawn")
+        if png.exists():
+            parts.append(FIGURE)
     for path, data in loaded:
         cols: list[str] = []
         for r in data["rows"]:

@@ -126,15 +126,15 @@ def test_launch_suite_mosaic_chain_lowers_to_mosaic_custom_calls():
     assert text.count("@mosaic_gpu") == 1 and text.count("call @_mosaic") == 3
 
 
-def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
-    from benchmarks import goals
+def _goal_results() -> list[dict]:
+    """Results files as benchmarks.report loads them, measuring every goal (some twice)."""
 
     def res(suite, device, date, rows, name):
         return dict(suite=suite, device=device, date=date, rows=rows, file=name)
 
     core = "pimlayers attention_core, protected"
     gemm = dict(op="fwd 4096->1024", m=8192, block_n=128, plain_ms=0.1, protected_ms=0.1, ratio=1.0)
-    results = [
+    return [
         res("matmul", "gpu:NVIDIA H200", "2026-12-01T00:00", [dict(gemm, ratio=0.5)], "old.json"),
         res("matmul", "gpu:NVIDIA H200", "2026-12-02T00:00", [gemm, dict(gemm, block_n="row")], "new.json"),
         res("matmul", "cpu:cpu", "2026-12-02T00:00", [
@@ -161,6 +161,12 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
                  mfu=0.49),
         ], "step.json"),
     ]  # fmt: skip
+
+
+def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
+    from benchmarks import goals
+
+    results = _goal_results()
     rows = goals.rows(results)
     by = {(r["goal"], r["case"]): r for r in rows}
     assert [r["file"] for r in rows if r["goal"] == 1] == ["new.json"]  # the newest, 128-column rows only
@@ -178,6 +184,28 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     text = goals.table(results)
     assert text.count("\n| ") == len(rows) + 1 and "`new.json`" in text
     assert goals.table([]) == ""
+
+
+def test_goals_history_has_each_files_best_and_worst_case_oldest_first_and_draws_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import goals
+
+    hist = goals.history(_goal_results())
+    by = {}
+    for p in hist:
+        by.setdefault(p["goal"], []).append(p)
+    assert sorted(by) == [1, 2, 3, 4, 5]
+    assert [p["file"] for p in by[1]] == ["old.json", "new.json"]  # both GPU files, oldest first
+    assert (by[1][0]["best"], by[1][1]["best"], by[1][1]["cases"]) == (0.5, 1.0, 1)
+    # Goal 5: every CPU file on its own (the table judges the newest three together).
+    assert [p["file"] for p in by[5]] == ["cpu1.json", "cpu2.json", "cpu3.json", "cpu.json"]
+    assert by[5][-1]["best"] == 1 / 1.1 and by[5][-1]["worst"] == 1 / 1.2 and by[5][-1]["cases"] == 2
+    assert by[2][0]["best"] == 1 / 1.05 and by[2][0]["worst"] == 0.8
+    assert by[3][0]["best"] == 4400 / 4800 and by[3][0]["worst"] == 4000 / 4800  # kernels' time, timed loop
+    assert by[4][0]["mfu"] == 0.49 and by[4][0]["best_case"] == "recompute: none (skip)"
+    path = tmp_path / "goals.png"
+    goals.figure(_goal_results(), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
 def test_routing_suite_quick_checks_every_kernel_and_reports_the_overhead():
