@@ -106,18 +106,24 @@ GEMM_IDS = [f"{g}-{'fused' if c.fused else 'two'}" for g, c in GEMMS]
 
 @pytest.mark.parametrize(("gemm", "cfg"), GEMMS, ids=GEMM_IDS)
 @pytest.mark.parametrize("bit", [30, 24])
-def test_bwd_kernels_flag_the_flipped_rows(hopper, gemm, cfg, bit):
-    b, t, h, kv, d, causal = 1, 512, 8, 2, 128, True
+def test_bwd_kernels_flag_the_flipped_rows(hopper, gemm, cfg, bit, shape=(1, 512, 8, 2, 128, True)):
+    """``shape``: (B, T, H, KV, D, causal) with H, KV >= 2 and T >= 128 (the interpreted tests run
+    a smaller one than the GPU's)."""
+    b, t, h, kv, d, causal = shape
     args = _inputs(b, t, h, kv, d, causal, seed=1)
     q_side = gemm in ("scores", "dp", "dq")
-    shape = (b, h, t) if q_side else (b, kv, t)
-    rows = [300, 301, 511] if q_side else [3, 200, 301]
-    bits = np.full(shape, -1, np.int32)
-    cols = np.zeros(shape, np.int32)
+    sites = (b, h, t) if q_side else (b, kv, t)
+    # Late query rows that see many keys (the dq kernel's GEMMs), early key rows that many queries
+    # see (the dk/dv kernel's): at T = 512, rows 300, 301, 511 and 3, 200, 301.
+    rows = [t * 300 // 512, t * 300 // 512 + 1, t - 1] if q_side else [3, t * 200 // 512, t * 301 // 512]
+    bits = np.full(sites, -1, np.int32)
+    cols = np.zeros(sites, np.int32)
     for r in rows:
         bits[0, 1, r] = bit
         # a visible key (scores, dp), a query that sees this key (scores_t, dp_t), a column of D
-        cols[0, 1, r] = {"scores": r - 7, "dp": r // 2, "scores_t": 400, "dp_t": r + 9}.get(gemm, r % d)
+        cols[0, 1, r] = {"scores": r - 7, "dp": r // 2, "scores_t": t * 400 // 512, "dp_t": r + 9}.get(
+            gemm, r % d
+        )
     f = ops.FlashBwdFaults(**{gemm: (jnp.asarray(bits), jnp.asarray(cols))})
     got = ops.flash_attention_bwd(*args, f, causal=causal, config=cfg)[3]
     want = ops.flash_attention_bwd_reference(*args, f, causal=causal, config=cfg)[3]

@@ -120,6 +120,12 @@ def fused_gemm(
     return _fused_call(a, b, cfg)
 
 
+def _sm_count() -> int:
+    """The persistent grid's CTAs: one per SM of the GPU (tests interpreting the kernel on a CPU,
+    which has no SMs, set their own)."""
+    return jax.devices()[0].core_count
+
+
 @functools.partial(jax.jit, static_argnums=(2,))
 def _fused_call(a, b, cfg: FusedConfig):
     import jax.experimental.pallas as pl
@@ -221,7 +227,7 @@ def _fused_call(a, b, cfg: FusedConfig):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    sms = jax.devices()[0].core_count
+    sms = _sm_count()
     kernel = plgpu.kernel(
         body,
         out_type=(
