@@ -1,8 +1,8 @@
 """The project's Pallas Mosaic-GPU kernels on the CPU, through jax's GPU interpret mode.
 
 jax (0.10) can interpret a Mosaic-GPU kernel on the CPU (``force_gpu_interpret_mode``): threads,
-shared memory, barriers, TMA copies and wgmma simulated by host callbacks. Two things the project's
-kernels use are not in it yet, and :func:`interpret` adds them while it is active:
+shared memory, barriers, TMA copies and wgmma simulated by host callbacks. Some things the
+project's kernels use are not in it yet, and :func:`interpret` adds them while it is active:
 
 * ``pl.run_state`` (a wgmma accumulator carried from one step to the next, as
   ``plgpu.ACC.init(acc)``): its refs become registers initialised with the given values, the body
@@ -20,6 +20,11 @@ kernel's results match the GPU's up to the summation order of its products; it d
 asynchronous wgmma or the hardware's approximate exp2. It is slow (every memory access is a
 callback): small shapes only. What it checks: indexing, masking, pipelining and barriers, the
 checksums and their bounds, fault injection, everything but speed and the hardware's own races.
+
+It can deadlock: every simulated warpgroup is a jitted program whose barrier waits block inside
+host callbacks, and on a 2-core machine the backward kernels' warpgroups have been seen all waiting
+on one that never started (in one process after other kernels had run; the same test alone passed).
+Run it under a timeout.
 """
 
 from __future__ import annotations
