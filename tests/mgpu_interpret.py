@@ -56,6 +56,15 @@ except ImportError:  # a jax without the GPU interpreter
 __all__ = ["AVAILABLE", "interpret"]
 
 
+def _at(self) -> dict:
+    """Where a callback runs: the simulated device, grid point and thread."""
+    return dict(
+        device_id=jnp.int32(self.device_info.device_id),
+        grid_point_coords=self.grid_point_coords,
+        thread_id=self.thread_id,
+    )
+
+
 def _regs(self, token, value, source_info):
     """A per-thread register buffer holding ``value``: (token, key)."""
     token, request = cb.call_make_allocation_request_array(
@@ -67,9 +76,7 @@ def _regs(self, token, value, source_info):
     )
     return cb.call_allocate_buffer(
         token=token,
-        device_id=jnp.int32(self.device_info.device_id),
-        grid_point_coords=self.grid_point_coords,
-        thread_id=self.thread_id,
+        **_at(self),
         allocation_request_as_array=request,
         value=value,
         source_info=source_info,
@@ -79,9 +86,7 @@ def _regs(self, token, value, source_info):
 def _free(self, token, key, source_info):
     return cb.call_deallocate_buffer(
         token=token,
-        device_id=jnp.int32(self.device_info.device_id),
-        grid_point_coords=self.grid_point_coords,
-        thread_id=self.thread_id,
+        **_at(self),
         allocation_key_as_array=key,
         source_info=source_info,
     )
@@ -109,9 +114,7 @@ def _run_state(self, eqn, token, invals):
         token, value = cb.call_get(
             token=token,
             result_shape_and_dtype=var.aval.inner_aval,
-            device_id=jnp.int32(self.device_info.device_id),
-            grid_point_coords=self.grid_point_coords,
-            thread_id=self.thread_id,
+            **_at(self),
             allocation_key_as_array=key,
             transforms=(),
             source_info=eqn.source_info,
@@ -126,9 +129,7 @@ def _load(self, eqn, token, invals):
     token, value = cb.call_get(
         token=token,
         result_shape_and_dtype=eqn.outvars[0].aval,
-        device_id=jnp.int32(self.device_info.device_id),
-        grid_point_coords=self.grid_point_coords,
-        thread_id=self.thread_id,
+        **_at(self),
         allocation_key_as_array=invals[0],
         transforms=jax.tree.unflatten(eqn.params["tree"], invals[1:]),
         source_info=eqn.source_info,
