@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimlayers.ops._flash import FlashConfig, flash_bounds
-from pimlayers.ops._flash_bwd import _c_block, flash_bwd_bounds
+from pimlayers.ops._flash_bwd import FlashBwdConfig, _c_block, flash_bwd_bounds
 
 from .profile import kernel_us
 
@@ -67,6 +67,49 @@ def _same_tiles(got, want) -> None:
             raise AssertionError("bounds: the Pallas tiles' constant rows differ from XLA's")
 
 
+# The backward's tiles: the rows holding hi/lo pairs of sums, and a row holding a bf16 magnitude.
+_BWD_SUMS = dict(ks=(0,), vs=(0,), qs=(0,), dos=(0,), kd=(0,), dod=(0,), qd=(3,))
+_BWD_MAGS = dict(kd=2, dod=2)
+
+
+def _same_bwd(got: dict, want: dict) -> None:
+    """The backward's Pallas bounds against XLA's: the same keys, shapes and dtypes; each tile's hi +
+    lo sums within f32 rounding (2^-20 of the largest), its magnitude row within one bf16 rounding
+    (the f32 norm may round across a bf16 boundary the other way), its other rows equal; the f32
+    rows within 2^-20 of their largest value."""
+    if set(got) != set(want):
+        raise AssertionError(
+            f"bounds: the backward's Pallas keys {sorted(got)} differ from XLA's {sorted(want)}"
+        )
+    for name, w in want.items():
+        a = got[name]
+        if jnp.shape(a) != jnp.shape(w) or jnp.result_type(a) != jnp.result_type(w):
+            raise AssertionError(
+                f"bounds: the backward's Pallas {name} is {jnp.result_type(a)}{jnp.shape(a)}"
+            )
+        a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+        close = lambda x, y, rel: np.max(np.abs(x - y), initial=0.0) <= rel * np.max(np.abs(y), initial=0.0)
+        if name not in _BWD_SUMS:
+            if not close(a, w, 2.0**-20):
+                raise AssertionError(f"bounds: the backward's Pallas {name} differs from XLA's")
+            continue
+        rest = set(range(a.shape[-2]))
+        for i in _BWD_SUMS[name]:
+            if not close(a[..., i, :] + a[..., i + 1, :], w[..., i, :] + w[..., i + 1, :], 2.0**-20):
+                raise AssertionError(
+                    f"bounds: the backward's Pallas {name} rows {i}, {i + 1} differ from XLA's"
+                )
+            rest -= {i, i + 1}
+        if name in _BWD_MAGS:
+            m = _BWD_MAGS[name]
+            if not np.all(np.abs(a[..., m, :] - w[..., m, :]) <= 2.0**-7 * np.abs(w[..., m, :])):
+                raise AssertionError(f"bounds: the backward's Pallas {name} magnitude row differs from XLA's")
+            rest.discard(m)
+        rest = sorted(rest)
+        if not np.array_equal(a[..., rest, :], w[..., rest, :]):
+            raise AssertionError(f"bounds: the backward's Pallas {name} constant rows differ from XLA's")
+
+
 def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: float = 8.0) -> list[dict]:
     q, k, v, do, out = _inputs(b, t, h, kv, d)
     fwd = jax.jit(lambda k, v: flash_bounds(k, v, lam=lam))
@@ -75,12 +118,19 @@ def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: 
     _same_tiles(fwd_kernel(k, v), fwd(k, v))
     bwd = jax.jit(lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=lam, out=out))
     _check(bwd(q, k, v, do, out), q, k, do, out, lam)
+    bcfg = FlashBwdConfig(bounds_kernel=True)
+    bwd_kernel = jax.jit(
+        lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=lam, out=out, config=bcfg)
+    )
+    _check(bwd_kernel(q, k, v, do, out), q, k, do, out, lam)
+    _same_bwd(bwd_kernel(q, k, v, do, out), bwd(q, k, v, do, out))
     read = jax.jit(lambda *xs: sum(jnp.sum(x, dtype=jnp.float32) for x in xs))
     rows = []
     cases = (
         ("forward", fwd, (k, v)),
         ("forward, Pallas kernels", fwd_kernel, (k, v)),
         ("backward", bwd, (q, k, v, do, out)),
+        ("backward, Pallas kernels", bwd_kernel, (q, k, v, do, out)),
     )
     for name, fn, args in cases:
         us, read_us = kernel_us(fn, *args), kernel_us(read, *args)

@@ -159,7 +159,9 @@ do, with δ from the same read of do), by their kernels' device time in one call
 summing the same inputs once in the same run. `reads` = bounds time /
 that read's: how many times over the bounds read their inputs; `largest` names the costliest kernel.
 From 2026-12-05 a row "forward, Pallas kernels" times the same tiles from two Triton kernels
-(`FlashConfig(bounds_kernel=True)`, checked against XLA's tiles first).
+(`FlashConfig(bounds_kernel=True)`, checked against XLA's tiles first), and a row "backward,
+Pallas kernels" the backward's from three (`FlashBwdConfig(bounds_kernel=True)`: q, do and out
+read once, k and v twice; checked against XLA's arrays first).
 
 Reading the launch table: `python -m benchmarks.run --suite launch` runs chains of 1000 dependent
 elementwise kernels on 1024 floats in one jitted program (an optimization barrier between them, so

@@ -726,10 +726,29 @@ def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
     from benchmarks import bounds
 
     rows = bounds.run(t=256, h=4, kv=2, d=64)
-    assert [r["bounds"] for r in rows] == ["forward", "forward, Pallas kernels", "backward"]
+    assert [r["bounds"] for r in rows] == [
+        "forward",
+        "forward, Pallas kernels",
+        "backward",
+        "backward, Pallas kernels",
+    ]
     # The forward's bounds read k and v; the backward's q, do and out too (each 256 x 4 x 64 bf16).
-    assert rows[1]["mb"] == rows[0]["mb"]
+    assert rows[1]["mb"] == rows[0]["mb"] and rows[3]["mb"] == rows[2]["mb"]
     assert rows[2]["mb"] == pytest.approx(rows[0]["mb"] + 3 * 256 * 4 * 64 * 2 / 1e6)
+    # The backward's Pallas arrays too: a sum off by more than f32 rounding, a constant row changed,
+    # a magnitude off by more than a bf16 rounding, each refused.
+    q = jax.random.normal(jax.random.key(0), (1, 256, 4, 64)).astype(jax.numpy.bfloat16)
+    kv = q[:, :, :2]
+    bd = bounds.flash_bwd_bounds(q, kv, kv, q, lam=8.0, out=q)
+    bounds._same_bwd(bd, bd)
+    for name, at, val, says in (
+        ("qd", (0, 0, 0, 3, 5), 9.0, "rows 3, 4 differ"),
+        ("ks", (0, 0, 0, 6, 1), 1.0, "constant rows"),
+        ("dod", (0, 0, 0, 2, 1), 99.0, "magnitude row"),
+        ("tol_s", (0, 0, 7), -1.0, "tol_s differs"),
+    ):
+        with pytest.raises(AssertionError, match=says):
+            bounds._same_bwd(bd | {name: bd[name].at[at].set(val)}, bd)
     # The Pallas tiles are checked against XLA's first: a sum off by more than f32 rounding is refused.
     k = jax.numpy.ones((1, 256, 2, 64), jax.numpy.bfloat16)
     tiles = bounds.flash_bounds(k, k, lam=8.0)

@@ -6,6 +6,7 @@ gradients, ratios and injected flips, from XLA with every product materialised);
 (``tests/test_gpu_flash_bwd.py``) check the kernels against it.
 """
 
+import functools
 import math
 
 import jax
@@ -210,3 +211,66 @@ def test_fused_config_checks_five_gemms_with_the_same_bounds():
     assert float(got[3].dk[0, 1, 40]) > 1.0
     with pytest.raises(ValueError, match=r"faults\.scores.*fused"):
         ops.flash_attention_bwd_reference(*args, _site("scores", [5], 30, lambda r: 1), config=fused)
+
+
+@pytest.mark.parametrize(
+    ("shape", "with_out"),
+    [((1, 256, 4, 2, 64), True), ((2, 384, 3, 1, 128), True), ((1, 256, 4, 2, 64), False)],
+)
+def test_bounds_kernel_is_xlas(shape, with_out):
+    """The three-pass Pallas bounds (run by Pallas' interpreter here) against XLA's: the same arrays,
+    sums within f32 rounding (another order), constant rows equal."""
+    from benchmarks.bounds import _same_bwd
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    b, t, h, kv, d = shape
+    q, k, v, out, _, do = _inputs(b, t, h, kv, d, seed=8, scale=3.0)
+    out = out if with_out else None
+    cfg = FlashBwdConfig(bounds_kernel=True)
+    got = jax.jit(lambda *xs: flash_bwd_bounds(*xs[:4], lam=8.0, config=cfg, out=xs[4]))(q, k, v, do, out)
+    want = flash_bwd_bounds(q, k, v, do, lam=8.0, out=out)
+    assert ("delta" in got) == with_out
+    _same_bwd(got, want)
+
+
+def test_bounds_kernel_carries_a_nan_into_its_groups_bounds():
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    q, k, v, out, _, do = _inputs(seed=9)
+    k = k.at[0, 70, 1, 5].set(jnp.nan)  # KV head 1: query heads 2 and 3
+    bd = flash_bwd_bounds(q, k, v, do, lam=8.0, out=out, config=FlashBwdConfig(bounds_kernel=True))
+    tol_s = np.asarray(bd["tol_s"])
+    assert np.isnan(tol_s[0, 2:]).all() and np.isfinite(tol_s[0, :2]).all()
+    assert np.isnan(np.asarray(bd["tol_st"])[0, 1, 70]) and np.isfinite(np.asarray(bd["tol_dpt"])).all()
+    assert np.isnan(np.asarray(bd["ks"], np.float32)[0, 1, 1, :2, 5]).all()  # key block 1 of head 1
+
+
+def test_bounds_kernel_lowers_to_three_triton_kernels_for_a_gpu():
+    """The kernels a GPU would run, lowered here (no GPU needed): three Triton calls, no interpreter."""
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    x, kv = jnp.zeros((1, 1024, 32, 128), jnp.bfloat16), jnp.zeros((1, 1024, 8, 128), jnp.bfloat16)
+    cfg = FlashBwdConfig(bounds_kernel=True)
+    f = jax.jit(lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=8.0, config=cfg, out=out))
+    text = f.trace(x, kv, kv, x, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    for name in ("keys", "queries", "key_rows"):
+        assert f"pimlayers_flash_bwd_bounds_{name}" in text
+
+
+def test_reference_with_the_bounds_kernel_flags_the_same_rows():
+    from pimlayers.ops._flash_bwd import FlashBwdConfig
+
+    args = _inputs(seed=10)
+    cfg = FlashBwdConfig(bounds_kernel=True)
+    with_kernel = jax.jit(functools.partial(ops.flash_attention_bwd_reference, config=cfg))
+    for a, w in zip(with_kernel(*args)[:3], _backward(*args)[:3], strict=True):
+        # δ from the kernel's sum (another order): gradients within a bf16 rounding of the largest.
+        a, w = np.asarray(a, np.float32), np.asarray(w, np.float32)
+        assert np.max(np.abs(a - w)) <= 2.0**-8 * np.max(np.abs(w))
+    faults = _site("dq", [17, 200], 30, lambda r: 5)
+    got, want = with_kernel(*args, faults)[3], _backward(*args, faults)[3]
+    flagged = lambda r: {tuple(i) for i in np.argwhere(~(np.asarray(r) <= 1.0)).tolist()}
+    for name in ops.FlashBwdChecks._fields:
+        assert flagged(getattr(got, name)) == flagged(getattr(want, name)), name
+    assert flagged(got.dq) == {(0, 1, 17), (0, 1, 200)}

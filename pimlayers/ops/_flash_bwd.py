@@ -92,6 +92,9 @@ class FlashBwdConfig:
     # instead of seven, but slower on the H200 (2026-12-04, B = 1, T = 8192, 32/8 heads): 8.17 ms
     # against 4.51 with the checks, 3.72 against 3.34 without. Opt-in until it wins.
     fused: bool = False
+    # The checksum tiles and bounds from three Pallas (Triton) kernels that read q, do and out once,
+    # k and v twice (``_flash_bwd_bounds``), instead of XLA's passes; opt-in until measured on a GPU.
+    bounds_kernel: bool = False
 
 
 def bwd_gemms(d: int, config: FlashBwdConfig | None = None) -> tuple[str, ...]:
@@ -193,6 +196,13 @@ def _tile_mag(hi, lo, mag):
     return jnp.concatenate([*rows, jnp.zeros((*hi.shape[:-1], CS - 3, hi.shape[-1]), hi.dtype)], axis=-2)
 
 
+def _with_qm(bounds: dict, q1max, bk: int) -> dict:
+    """``bounds`` with the ``qm`` tile from each query block's largest ‖q‖₁ (B, H, T/bq)."""
+    # 1 + 2^-7: the kernel sums the f32 |ds|, the dk GEMM multiplies ds rounded to bf16 (<= 2^-8).
+    qm = q1max * (1 + 2.0**-7)
+    return bounds | dict(qm=jnp.broadcast_to(qm[..., None], (*qm.shape, bk)))
+
+
 def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None = None, out=None) -> dict:
     """The checksum tiles and per-row bounds the kernels read, from XLA (all small next to q, k, v).
 
@@ -207,12 +217,30 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
 
     Every operand is read twice: once for its blocks' sums (over rows), once for its rows' sums (over
     D), whose bound factors come from the other side's blocks (k's from q's, q's from k's), so that
-    order is fixed: all the block sums first.
+    order is fixed: all the block sums first. With ``FlashBwdConfig(bounds_kernel=True)`` the same
+    arrays come from three Pallas kernels that read q, do and out once, k and v twice
+    (:mod:`._flash_bwd_bounds`; sums in another order, to f32 rounding).
     """
     cfg = config or FlashBwdConfig()
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g, bq, bk = h // kvh, cfg.block_q, cfg.block_kv
+    c_b, c_q = _c_block(lam, d, bk), _c_block(lam, d, bq)
+    if cfg.bounds_kernel:
+        from ._flash_bwd_bounds import flash_bwd_bounds_kernel
+
+        kw = dict(bq=bq, bk=bk, cs=CS, c_b=c_b, c_q=c_q)
+        # Triton on a GPU; Pallas' interpreter elsewhere (the reference on a CPU, tests).
+        res = lax.platform_dependent(
+            q,
+            k,
+            v,
+            do,
+            out,
+            cuda=functools.partial(flash_bwd_bounds_kernel, **kw),
+            default=functools.partial(flash_bwd_bounds_kernel, **kw, interpret=True),
+        )
+        return _with_qm(res, res.pop("q1max"), bk) | dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
     # Block sums and |block| sums (B, L/n, heads, D), materialised before the tiles are built (XLA
     # fused into the concatenation recomputed them per element in the forward's bounds).
     blk = lax.optimization_barrier(
@@ -246,13 +274,9 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
         qd=_tile_at(*_split(blocks(qd, bq)), 3),
         dod=_tile_mag(*_split(blocks(dod, bq)), blocks(do1, bq)),
     )
-    # 1 + 2^-7: the kernel sums the f32 |ds|, the dk GEMM multiplies ds rounded to bf16 (<= 2^-8).
-    qm = jnp.max(blocks(q1, bq), axis=-1) * (1 + 2.0**-7)  # (B, H, T/bq)
-    tiles["qm"] = jnp.broadcast_to(qm[..., None], (*qm.shape, bk))
-    c_b, c_q = _c_block(lam, d, bk), _c_block(lam, d, bq)
     rows_t = lambda x: x.transpose(0, 2, 1)  # (B, L, heads) -> (B, heads, L)
     return (
-        tiles
+        _with_qm(tiles, jnp.max(blocks(q1, bq), axis=-1), bk)
         | dict(
             tol_s=c_b * rows_t(qt),
             tol_dp=c_b * rows_t(dot),
