@@ -95,9 +95,11 @@ def flash_bwd_bounds_kernel(
     s, kvh = k.shape[1], k.shape[2]
     g, nq, nk = h // kvh, t // bq, s // bk
     sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
     f32, dt = jnp.float32, q.dtype
-    call = functools.partial(pl.pallas_call, interpret=interpret, **params)
+
+    def call(*args, warps: int = 4, **kw):
+        params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1))
+        return pl.pallas_call(*args, interpret=interpret, **params, **kw)
 
     # 1. keys: (batch, KV head, key block).
     key_spec = pl.BlockSpec((sq, bk, sq, d), lambda i, hh, j: (i, j, hh, 0))
@@ -162,6 +164,9 @@ def flash_bwd_bounds_kernel(
         ]
         + [jax.ShapeDtypeStruct((b, h, t), f32)] * with_out,
         name="pimlayers_flash_bwd_bounds_queries",
+        # Three (bq, D) f32 blocks and their magnitudes live at once: 8 warps keep them in
+        # registers at bq = 64, D = 128 (an a-priori choice, not yet tuned on a GPU).
+        warps=8,
     )(q, do, *([out] if with_out else []), kmax, vmax)
     qs, dos, qd, dod, q1max, tol_s, tol_dp, qabs, doabs = outs[:9]
     # The key rows' factors: the largest |block| sums over the query blocks and the group's heads.
