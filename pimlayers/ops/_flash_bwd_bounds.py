@@ -1,10 +1,9 @@
 """The verified flash backward's checksum tiles and bounds in three passes (Pallas, Triton).
 
 ``flash_bwd_bounds`` (``_flash_bwd``) builds them with XLA: on an H200 (B = 1, T = 8192, 32/8 heads,
-D = 128) 19 kernels, 0.24 ms of device time, 3.5 times one read of q, k, v, do and out (XLA reads
-every operand twice, once for its blocks' sums over rows and once for its rows' sums over D, as it
-fuses reductions of one output shape only). Here one program per block reads the block once and
-forms both:
+D = 128) 19 kernels, 0.24 ms of device time, 3.5 times one read of q, k, v, do and out (every
+operand is read twice there, once for its blocks' sums over rows and once for its rows' sums over
+D, in separate passes). Here one program per block reads the block once and forms both:
 
 1. keys (``_keys_kernel``), per (batch, KV head, key block): the ks and vs tiles (the block's sum
    over rows), the kd tile (each key's sum over D and its L1 norm) and the block's Σ|k| and Σ|v|
@@ -16,7 +15,7 @@ forms both:
 3. keys again (``_key_rows_kernel``): tol_st = c_q |k|·qmax, tol_dpt = c_q |v|·domax.
 
 k and v are read twice (their rows' bounds need q's and do's block maxima, and q's need k's), q, do
-and out once: 256 MB at that shape where one read of the five is 235. The sums are f32 reductions
+and out once: 268 MB at that shape, where one read of the five is 235. The sums are f32 reductions
 in Triton's order where XLA's are a pairwise tree (block sums) and a reduction (rows): the two agree
 to f32 rounding, inside the checks' slack (``_c_block``, ``_c_sum``). The tiles' constant rows are
 equal bit for bit. Opt-in (``FlashBwdConfig(bounds_kernel=True)``) until measured against XLA's on
