@@ -13,7 +13,8 @@ replace. This suite times, side by side on one GPU (Hopper only; nothing to run 
   kernel forward, with the default recompute loop and, as the training step runs it, with
   ``FaultPolicy(recompute=False)``; or the verified materialised path with ``flash=False``) — goal 2 of the
   performance issue, protected attention at >= 0.93x cuDNN — and the backward kernels alone
-  (``ops.flash_attention_bwd``, with and without their checks).
+  (``ops.flash_attention_bwd``, with and without their checks; verified, also with the opt-in
+  Triton bounds, ``FlashBwdConfig(bounds_kernel=True)``).
 
 Every kernel's output is checked against XLA's before it is timed. Each attention row has two
 times: ``ms``, the wall clock per call of back-to-back calls (what ``vs_cudnn`` compares), and
@@ -227,8 +228,16 @@ def _backward_kernels(q, k, v, g, flops, shape, rows, cudnn) -> list[dict]:
             dev_vs_cudnn=1.0,
         )
     ]
-    for fused, checks in ((False, False), (False, True), (True, False), (True, True)):
-        cfg = ops.FlashBwdConfig(fused=fused)
+    # The two kernels, then with the Triton bounds (opt-in), then the fused kernel.
+    builds = (
+        (False, False, False),
+        (False, True, False),
+        (False, True, True),
+        (True, False, False),
+        (True, True, False),
+    )
+    for fused, checks, bounds_kernel in builds:
+        cfg = ops.FlashBwdConfig(fused=fused, bounds_kernel=bounds_kernel)
         fn = jax.jit(functools.partial(ops.flash_attention_bwd, checks=checks, config=cfg))
         got = fn(q, k, v, out, lse, g)
         err = max(
@@ -237,6 +246,7 @@ def _backward_kernels(q, k, v, g, flops, shape, rows, cudnn) -> list[dict]:
         )
         kernels = ", fused kernel" if fused else ""  # FlashBwdConfig(fused=True): one kernel, opt-in
         name = f"pimlayers flash_attention_bwd{kernels}, {'verified' if checks else 'checks off'}"
+        name += ", bounds kernel" if bounds_kernel else ""  # FlashBwdConfig(bounds_kernel=True)
         if err > 0.05 * scale:  # checked before timing: a wrong build gets an error row, no time
             found.append(
                 dict(mode="bwd", op=name, shape=shape, error=f"gradients differ from cuDNN's: {err:.3g}")

@@ -113,7 +113,9 @@ in-kernel checks (bounds computed by XLA included); `attention_core, protected` 
 whole protected path (report, recompute loop; fwd+bwd with its backward). Every output is compared
 with XLA's before timing. `bwd` rows (newer runs) time `flash_attention_bwd`'s two kernels alone, with
 and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run;
-since 2026-12-04 also the opt-in fused kernel (`FlashBwdConfig(fused=True)`, "fused kernel" rows).
+since 2026-12-04 also the opt-in fused kernel (`FlashBwdConfig(fused=True)`, "fused kernel" rows),
+and from 2026-12-05 on the two kernels with their bounds from the opt-in Triton kernels
+(`FlashBwdConfig(bounds_kernel=True)`, "bounds kernel" rows).
 Runs after 2026-12-04 add `dev_ms`, the device kernels' time in one call (median of three profiled
 calls), and `dev_vs_cudnn`, its ratio to cuDNN's: the same comparison without the host's dispatch
 and the drift between rounds of wall-clock timing.
