@@ -53,18 +53,30 @@ def _check(bd: dict, q, k, do, out, lam: float, bq: int = 64, bk: int = 64) -> N
             raise AssertionError(f"bounds: {name} differs from the host's f64 sums by {err:.3g} (relative)")
 
 
+def _same_tile(what: str, a, w, sums: tuple[int, ...], mag: int | None = None) -> None:
+    """One Pallas tile (..., CS, n) against XLA's: the hi + lo rows at each of ``sums`` within f32
+    rounding (2^-20 of their largest), the ``mag`` row (a bf16 magnitude) within one bf16 rounding
+    (its f32 value may round across a bf16 boundary the other way), every other row equal."""
+    a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+    rest = set(range(a.shape[-2]))
+    for i in sums:
+        ha, hw = a[..., i, :] + a[..., i + 1, :], w[..., i, :] + w[..., i + 1, :]
+        if not np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw)):
+            raise AssertionError(f"bounds: {what} rows {i}, {i + 1} differ from XLA's")
+        rest -= {i, i + 1}
+    if mag is not None:
+        if not np.all(np.abs(a[..., mag, :] - w[..., mag, :]) <= 2.0**-7 * np.abs(w[..., mag, :])):
+            raise AssertionError(f"bounds: {what} magnitude row differs from XLA's")
+        rest.discard(mag)
+    rest = sorted(rest)
+    if not np.array_equal(a[..., rest, :], w[..., rest, :]):
+        raise AssertionError(f"bounds: {what} constant rows differ from XLA's")
+
+
 def _same_tiles(got, want) -> None:
-    """The Pallas bounds' tiles against XLA's: hi + lo of each sum to f32 rounding, the rest equal."""
+    """The forward's Pallas tiles (ks, vs, km) against XLA's (:func:`_same_tile`)."""
     for a, w, sums in zip(got, want, ((0,), (0, 3), (0,)), strict=True):
-        a32, w32 = np.asarray(a, np.float32), np.asarray(w, np.float32)
-        for i in sums:
-            ha = a32[..., i, :] + np.float64(a32[..., i + 1, :])
-            hw = w32[..., i, :] + np.float64(w32[..., i + 1, :])
-            if not np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw)):
-                raise AssertionError(f"bounds: the Pallas tiles' rows {i}, {i + 1} differ from XLA's")
-        rest = [r for r in range(a32.shape[-2]) if not any(r in (i, i + 1) for i in sums)]
-        if not np.array_equal(a32[..., rest, :], w32[..., rest, :]):
-            raise AssertionError("bounds: the Pallas tiles' constant rows differ from XLA's")
+        _same_tile("the Pallas tiles'", a, w, sums)
 
 
 # The backward's tiles: the rows holding hi/lo pairs of sums, and a row holding a bf16 magnitude.
@@ -73,10 +85,8 @@ _BWD_MAGS = dict(kd=2, dod=2)
 
 
 def _same_bwd(got: dict, want: dict) -> None:
-    """The backward's Pallas bounds against XLA's: the same keys, shapes and dtypes; each tile's hi +
-    lo sums within f32 rounding (2^-20 of the largest), its magnitude row within one bf16 rounding
-    (the f32 norm may round across a bf16 boundary the other way), its other rows equal; the f32
-    rows within 2^-20 of their largest value."""
+    """The backward's Pallas bounds against XLA's: the same keys, shapes and dtypes; the tiles as
+    :func:`_same_tile` says; the f32 rows within 2^-20 of their largest value."""
     if set(got) != set(want):
         raise AssertionError(
             f"bounds: the backward's Pallas keys {sorted(got)} differ from XLA's {sorted(want)}"
@@ -87,27 +97,12 @@ def _same_bwd(got: dict, want: dict) -> None:
             raise AssertionError(
                 f"bounds: the backward's Pallas {name} is {jnp.result_type(a)}{jnp.shape(a)}"
             )
-        a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
-        close = lambda x, y, rel: np.max(np.abs(x - y), initial=0.0) <= rel * np.max(np.abs(y), initial=0.0)
-        if name not in _BWD_SUMS:
-            if not close(a, w, 2.0**-20):
-                raise AssertionError(f"bounds: the backward's Pallas {name} differs from XLA's")
+        if name in _BWD_SUMS:
+            _same_tile(f"the backward's Pallas {name}", a, w, _BWD_SUMS[name], _BWD_MAGS.get(name))
             continue
-        rest = set(range(a.shape[-2]))
-        for i in _BWD_SUMS[name]:
-            if not close(a[..., i, :] + a[..., i + 1, :], w[..., i, :] + w[..., i + 1, :], 2.0**-20):
-                raise AssertionError(
-                    f"bounds: the backward's Pallas {name} rows {i}, {i + 1} differ from XLA's"
-                )
-            rest -= {i, i + 1}
-        if name in _BWD_MAGS:
-            m = _BWD_MAGS[name]
-            if not np.all(np.abs(a[..., m, :] - w[..., m, :]) <= 2.0**-7 * np.abs(w[..., m, :])):
-                raise AssertionError(f"bounds: the backward's Pallas {name} magnitude row differs from XLA's")
-            rest.discard(m)
-        rest = sorted(rest)
-        if not np.array_equal(a[..., rest, :], w[..., rest, :]):
-            raise AssertionError(f"bounds: the backward's Pallas {name} constant rows differ from XLA's")
+        a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+        if not np.max(np.abs(a - w), initial=0.0) <= 2.0**-20 * np.max(np.abs(w), initial=0.0):
+            raise AssertionError(f"bounds: the backward's Pallas {name} differs from XLA's")
 
 
 def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: float = 8.0) -> list[dict]:
