@@ -38,6 +38,7 @@ def run(
     redo_blocks: int = 0,
     no_recompute: bool = False,
     remat_policy: str = "gemms",
+    redo_kernel: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -47,7 +48,9 @@ def run(
     column blocks without a branch, where the default's recompute loop has the host read a
     predicate per GEMM. ``no_recompute`` adds a protected step with ``FaultPolicy(recompute=False)``:
     what a check cannot locate skips the step instead of being recomputed, so no loop at all (with
-    ``fused`` too, also on with the fused forward GEMM and no recompute).
+    ``fused`` too, also on with the fused forward GEMM and no recompute). ``redo_kernel`` adds a
+    protected step with ``FaultPolicy(recompute_kernel=True)``: the GEMMs' recompute on one device
+    kernel each, with no branch (attention keeps its recompute loop).
     ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" (the default,
     like the dot-saving peer the goal names) keeps the linear layers' products for the backward pass;
     "full" recomputes them (the training script's default: less memory)."""
@@ -55,20 +58,24 @@ def run(
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
     rows: list[dict] = []
-    # (protect, fused, flash, recompute_blocks, recompute): off; off with cuDNN's attention; on; with
-    # ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with the branch-free
-    # recompute, with ``no_recompute`` on without recompute (and with both, fused without recompute).
-    configs = [(False, False, "auto", None, True)]
-    configs += [(False, False, "on", None, True)] if cudnn_peer else []
-    configs += [(True, False, "auto", None, True)] + ([(True, True, "auto", None, True)] if fused else [])
-    configs += [(True, False, "auto", redo_blocks, True)] if redo_blocks else []
-    configs += [(True, False, "auto", None, False)] if no_recompute else []
-    configs += [(True, True, "auto", None, False)] if no_recompute and fused else []
-    for protect, fz, flash, rb, redo in configs:
+    # (protect, fused, flash, recompute_blocks, recompute, recompute_kernel): off; off with cuDNN's
+    # attention; on; with ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with
+    # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
+    # without recompute), with ``redo_kernel`` on with the device redo.
+    configs = [(False, False, "auto", None, True, False)]
+    configs += [(False, False, "on", None, True, False)] if cudnn_peer else []
+    configs += [(True, False, "auto", None, True, False)]
+    configs += [(True, True, "auto", None, True, False)] if fused else []
+    configs += [(True, False, "auto", redo_blocks, True, False)] if redo_blocks else []
+    configs += [(True, False, "auto", None, True, True)] if redo_kernel else []
+    configs += [(True, False, "auto", None, False, False)] if no_recompute else []
+    configs += [(True, True, "auto", None, False, False)] if no_recompute and fused else []
+    for protect, fz, flash, rb, redo, kernel in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(
                 layers, steps, n, seq, config, dtype, flip_every, remat_policy, tmp,
                 protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
+                recompute_kernel=kernel,
             )  # fmt: skip
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
@@ -77,7 +84,7 @@ def run(
                 "config": f"{config} x{s['layers']} layers",
                 "protect": protect,
                 "fused": fz if protect else None,
-                "recompute": _recompute_label(rb, redo) if protect else None,
+                "recompute": _recompute_label(rb, redo, kernel) if protect else None,
                 "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -131,6 +138,7 @@ def step_config(
     flash: str = "auto",
     recompute_blocks: int | None = None,
     recompute: bool = True,
+    recompute_kernel: bool = False,
 ) -> TrainConfig:
     """The training script's configuration for one of the suite's steps (one sequence per device;
     protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
@@ -153,6 +161,7 @@ def step_config(
         fused=fused,
         recompute_blocks=recompute_blocks,
         recompute=recompute,
+        recompute_kernel=recompute_kernel,
         flash=flash,
         flip_every=flip_every if protect else 0,
         gemm_fault_rate=0.2 if protect else 0.0,
@@ -162,9 +171,11 @@ def step_config(
     )
 
 
-def _recompute_label(blocks: int | None, recompute: bool) -> str:
+def _recompute_label(blocks: int | None, recompute: bool, kernel: bool = False) -> str:
     if not recompute:
         return "none (skip)"
+    if kernel:
+        return "device kernel"
     return "whole GEMM" if blocks is None else f"{blocks} blocks"
 
 

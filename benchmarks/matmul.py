@@ -5,7 +5,10 @@ Forward: y = x @ w. Forward+backward: value and gradient of sum(y * g) with resp
 "ratio" = plain time / protected time, so 1.00 is free protection and 0.80 is a 25% overhead.
 ``protected`` is the default policy (the GEMM, then the native check pass over y); ``fused`` is
 ``FaultPolicy(fused=True)`` (on a Hopper GPU the forward runs the fused kernel, whose epilogue forms
-the checked sums), timed in the same run at 128-column blocks on a Hopper GPU only.
+the checked sums), timed in the same run at 128-column blocks on a Hopper GPU only; ``kernel`` is
+``FaultPolicy(recompute_kernel=True)`` (what a check cannot locate redone by one device kernel
+instead of the recompute loop, whose predicate the host reads), on a GPU only, after checking that
+it repairs two errors in one block; ``kernel_ratio`` = plain / kernel, alternating as ``ratio``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimlayers import FaultPolicy, native_info, ops
+from pimlayers.faults import GemmFaults
 from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm, pair_applies
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 
@@ -74,19 +78,28 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     with_fused = hopper() and policy.block_n == TILE
     cases = pairs(m, k, n, dtype, policy)
     fused = pairs(m, k, n, dtype, policy.replace(fused=True)) if with_fused else None
+    # The device redo (FaultPolicy(recompute_kernel=True)) on a GPU; on a CPU it would time Pallas'
+    # interpreter, and the loop it replaces costs no host round trip there.
+    with_kernel = _redo_kernel_timed(dtype)
+    kernel = pairs(m, k, n, dtype, policy.replace(recompute_kernel=True)) if with_kernel else None
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
-    for f in (prot, fused["fwd"][1]) if with_fused else (prot,):
+    others = [c["fwd"][1] for c in (fused, kernel) if c is not None]
+    for f in (prot, *others):
         y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
         if rep.to_dict()["gemm_detected"] or err > 0.05:
             raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
+    if with_kernel:
+        _check_redo(policy.replace(recompute_kernel=True), args_q, y0, f"{k}->{n}")
     flops = 2.0 * m * k * n
     t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
     extra = {}
     if with_fused:
         t2 = time_fn(fused["fwd"][1], *args_q)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
+    if with_kernel:
+        extra |= _kernel_cols(plain, args_p, kernel["fwd"][1], args_q)
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
@@ -100,8 +113,41 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     if with_fused:
         t2 = time_fn(fused["fwd+bwd"][1], *args_q)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
+    if with_kernel:
+        extra |= _kernel_cols(plain_g, args_p, kernel["fwd+bwd"][1], args_q)
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
+
+
+def _redo_kernel_timed(dtype) -> bool:
+    """Whether the suite times the device redo: on a GPU, for the bf16 / f16 GEMMs it takes."""
+    return jax.devices()[0].platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def _kernel_cols(plain, args_p, kernel, args_q) -> dict:
+    """``kernel_ms`` and ``kernel_ratio`` (plain / kernel, alternating rounds as ``time_pair``)."""
+    _, t, ratio = time_pair(plain, args_p, kernel, args_q)
+    return dict(kernel_ms=t * 1e3, kernel_ratio=ratio)
+
+
+def _check_redo(policy: FaultPolicy, args, y0, what: str) -> None:
+    """Before timing the device redo: two errors it cannot locate in one block of row 17 (values
+    zeroed by an exponent-bit flip) must come back repaired, and be reported so."""
+    v = np.asarray(y0[17, :128], np.float32)
+    for sign in (1.0, -1.0):  # two values of one sign in 1.1-1.9: bit 29 zeroes both, errors add up
+        cols = np.flatnonzero((sign * v >= 1.1) & (sign * v < 1.9))[:2]
+        if len(cols) == 2:
+            break
+    else:
+        raise AssertionError(f"redo check {what}: no two values of one sign in 1.1-1.9 in row 17")
+    i32 = lambda c: jnp.asarray(c, jnp.int32)
+    sites = GemmFaults(i32([17, 17]), i32(cols), i32([29, 29]), jnp.ones((2,), bool))
+    f = jax.jit(lambda a, b, e, fl: ops.protected_matmul(a, b, e, policy=policy, faults=fl))
+    y, rep = f(*args, sites)
+    d = rep.to_dict()
+    err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y.astype(jnp.float32))))
+    if (d["gemm_recomputed"], d["gemm_uncorrectable"]) != (1, 0) or err > 0.05:
+        raise AssertionError(f"redo check {what}: report {d}, max diff {err}")
 
 
 def _row(
@@ -136,9 +182,10 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
-    blocks (``FaultPolicy.recompute_blocks``); ``protected_fused`` is ``FaultPolicy(fused=True)`` (on
-    a Hopper GPU, at 128-column blocks, the fused kernel, whose GEMM with its block sums alone is
-    ``fused_kernel``).
+    blocks (``FaultPolicy.recompute_blocks``) and, on a GPU, with the device redo
+    (``protected_redo_kernel``, ``FaultPolicy(recompute_kernel=True)``); ``protected_fused`` is
+    ``FaultPolicy(fused=True)`` (on a Hopper GPU, at 128-column blocks, the fused kernel, whose GEMM
+    with its block sums alone is ``fused_kernel``).
     """
     rows = []
     native = _native_encode()
@@ -185,6 +232,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             }
             if block_n is not None:
                 fns["protected_redo_blocks"] = protected(policy.replace(recompute_blocks=32))
+            if _redo_kernel_timed(dtype):
+                fns["protected_redo_kernel"] = protected(policy.replace(recompute_kernel=True))
             if block_n == TILE and hopper():  # elsewhere "fused" would time the default again
                 fns["protected_fused"] = protected(policy.replace(fused=True))
                 fns["fused_kernel"] = (jax.jit(fused_gemm), (x, w))
@@ -207,7 +256,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                     _same_encode(
                         f"encode_pair_native ({'transposed' if t else 'plain'}) {k}->{n}", ref, got, width
                     )
-            for name in ("protected", "protected_redo_blocks", "protected_fused"):
+            for name in ("protected", "protected_redo_blocks", "protected_redo_kernel", "protected_fused"):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)
                     if rep.to_dict()["gemm_detected"]:
@@ -220,6 +269,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             row["ratio"] = row["plain_ms"] / row["protected_ms"]
             if block_n is not None:
                 row["ratio_redo_blocks"] = row["plain_ms"] / row["protected_redo_blocks_ms"]
+            if "protected_redo_kernel_ms" in row:
+                row["ratio_redo_kernel"] = row["plain_ms"] / row["protected_redo_kernel_ms"]
             if "protected_fused_ms" in row:
                 row["ratio_fused"] = row["plain_ms"] / row["protected_fused_ms"]
             rows.append(row)

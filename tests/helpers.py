@@ -44,26 +44,30 @@ SMALL_GEOMETRY = BankGeometry(
 )
 
 
-def jaxpr_eqns(jaxpr, in_backward: bool = False):
+def jaxpr_eqns(jaxpr, in_backward: bool = False, skip: tuple[str, ...] = ()):
     """Every equation of a jaxpr, nested ones included, each with whether it sits in a
-    rematerialised block's backward pass (a ``remat`` equation with ``differentiated`` set)."""
+    rematerialised block's backward pass (a ``remat`` equation with ``differentiated`` set).
+    ``skip``: primitives whose nested jaxprs are not entered (e.g. ``pallas_call``'s kernel body)."""
     for eqn in jaxpr.eqns:
         yield eqn, in_backward
+        if eqn.primitive.name in skip:
+            continue
         inner_bwd = in_backward or bool(eqn.params.get("differentiated"))
         for v in eqn.params.values():
             for sub in v if isinstance(v, (tuple, list)) else (v,):
                 inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr itself
                 if hasattr(inner, "eqns"):
-                    yield from jaxpr_eqns(inner, inner_bwd)
+                    yield from jaxpr_eqns(inner, inner_bwd, skip)
 
 
 def host_control_flow(closed_jaxpr) -> dict[str, int]:
     """``cond`` and ``while`` equations anywhere in a jaxpr, nested ones included: on a GPU the
     runtime reads each one's predicate on the host (XLA's default command buffers leave them out),
     so the host waits there and cannot queue further work meanwhile. ``lax.platform_dependent``'s
-    conds (``branches_platforms`` set) are left out: lowering picks one branch, none runs as a cond."""
+    conds (``branches_platforms`` set) are left out: lowering picks one branch, none runs as a cond;
+    so are a Pallas kernel's own (its body runs on the device, inside one kernel)."""
     counts = {"cond": 0, "while": 0}
-    for eqn, _ in jaxpr_eqns(closed_jaxpr.jaxpr):
+    for eqn, _ in jaxpr_eqns(closed_jaxpr.jaxpr, skip=("pallas_call",)):
         if eqn.primitive.name in counts and not eqn.params.get("branches_platforms"):
             counts[eqn.primitive.name] += 1
     return counts

@@ -634,6 +634,30 @@ def test_matmul_parts_times_every_stage_after_checking_the_two_transposed_encode
     assert (row["encode_pair_native_ms"] > 0) if pair else row["encode_pair_native_ms"] is None
 
 
+def test_matmul_suite_times_the_device_redo_after_checking_it_repairs(monkeypatch):
+    """The ``kernel`` columns (a GPU's; forced here, the kernel under Pallas' interpreter): timed only
+    after two unlocatable errors in one block come back repaired; a redo that does not repair them
+    is refused."""
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+    from pimlayers import FaultPolicy
+
+    monkeypatch.setattr(matmul, "_redo_kernel_timed", lambda dtype: True)
+    monkeypatch.setattr(matmul, "time_pair", lambda a, aa, b, ab: (1e-3, 2e-3, 0.5))
+    rows = matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
+    assert [r["op"] for r in rows] == ["fwd 128->256", "fwd+bwd 128->256"]
+    assert all(r["kernel_ms"] == 2.0 and r["kernel_ratio"] == 0.5 for r in rows)
+    # A redo that leaves the block as found (the kernel replaced by nothing): refused.
+    from pimlayers.ops import _protected_matmul
+
+    monkeypatch.setattr(
+        _protected_matmul, "redo_detected", lambda a, b, c, m, out, fl, cnt, **kw: (out, 0, 0, 1)
+    )
+    with pytest.raises(AssertionError, match="redo check 128->256"):
+        matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
+
+
 def test_encode_suite_times_each_kernel_per_weight_after_checking_it():
     import jax.numpy as jnp
 

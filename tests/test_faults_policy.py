@@ -46,6 +46,7 @@ def test_defaults_and_properties():
         "skip_on_uncorrectable",
         "lam_dw",
         "fused",
+        "recompute_kernel",
     ]
 
 

@@ -115,9 +115,24 @@ def test_bad_options_are_refused(capsys):
     assert "gemms" in capsys.readouterr().err
     for bad, match in (
         (dict(recompute=False, recompute_blocks=4), "choose one"),
+        (dict(recompute=False, recompute_kernel=True), "recompute_kernel=True .*choose one"),
+        (dict(recompute_blocks=4, recompute_kernel=True), "recompute_kernel=True .*choose one"),
         (dict(remat_policy="dots"), "remat_policy='dots'"),
     ):
         with pytest.raises(ValueError, match=match):
             T.train(T.TrainConfig(**bad))
     cfg = T.parse_args(["--steps", "5", "--no-protect", "--data", "a.txt", "b"])
     assert cfg.steps == 5 and not cfg.protect and cfg.data == ["a.txt", "b"]
+
+
+def test_bf16_training_with_the_device_redo_matches_the_loop(tmp_path):
+    """``--recompute-kernel``: the bf16 step with every GEMM's recompute on the device kernel (here
+    under Pallas' interpreter) corrects the same injected faults as the loop, to the same loss."""
+    runs = [
+        T.train(_cfg(tmp_path / str(k), steps=3, dtype="bfloat16", gemm_fault_rate=1.0, recompute_kernel=k))
+        for k in (False, True)
+    ]
+    (a, b) = runs
+    assert a["gemm"] == b["gemm"] and a["gemm"]["gemm_uncorrectable"] == 0
+    assert a["injected"]["gemm_injected"] == 3 and a["gemm"]["gemm_corrected"] >= 3
+    assert a["curve"][-1][1] == b["curve"][-1][1]

@@ -86,6 +86,10 @@ class TrainConfig:
     # --no-recompute`: 126 ms against 141-147 ms with the loops; 158 against 176 with --remat-policy
     # full, an earlier code).
     recompute: bool = True
+    # FaultPolicy.recompute_kernel: what a GEMM's check cannot locate is redone by one device kernel
+    # that computes only the detected blocks (bf16 / f16 GEMMs; no branch, no capacity); attention's
+    # own recompute is unchanged.
+    recompute_kernel: bool = False
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
     flash: str = "auto"
@@ -119,6 +123,12 @@ def parse_args(argv=None) -> TrainConfig:
         ap.error(f"--config {cfg.config}: expected one of {sorted(CONFIGS)}")
     if cfg.flash not in _FLASH:
         ap.error(f"--flash {cfg.flash}: expected one of {sorted(_FLASH)}")
+    if cfg.recompute_kernel and (not cfg.recompute or cfg.recompute_blocks is not None):
+        raise ValueError(
+            f"TrainConfig.recompute_kernel=True redoes what a check cannot locate on a device kernel; "
+            f"with recompute={cfg.recompute} and recompute_blocks={cfg.recompute_blocks} choose one "
+            f"(recompute=True, recompute_blocks=None with it)"
+        )
     if cfg.remat_policy not in REMAT_POLICIES:
         ap.error(f"--remat-policy {cfg.remat_policy}: expected one of {sorted(REMAT_POLICIES)}")
     if cfg.link_fault_rate > 0:
@@ -176,6 +186,12 @@ def train(cfg: TrainConfig) -> dict:
             f"TrainConfig.recompute=False recomputes nothing; recompute_blocks={cfg.recompute_blocks} "
             f"would redo blocks: choose one (recompute_blocks=None with recompute=False)"
         )
+    if cfg.recompute_kernel and (not cfg.recompute or cfg.recompute_blocks is not None):
+        raise ValueError(
+            f"TrainConfig.recompute_kernel=True redoes what a check cannot locate on a device kernel; "
+            f"with recompute={cfg.recompute} and recompute_blocks={cfg.recompute_blocks} choose one "
+            f"(recompute=True, recompute_blocks=None with it)"
+        )
     if cfg.remat_policy not in REMAT_POLICIES:
         raise ValueError(
             f"TrainConfig.remat_policy={cfg.remat_policy!r}; expected one of {sorted(REMAT_POLICIES)}"
@@ -212,7 +228,11 @@ def train(cfg: TrainConfig) -> dict:
     # that turns a value of 2 into 0 would pass as rounding; per 128 columns it is ~0.2.
     policy = (
         FaultPolicy(
-            block_n=128, fused=cfg.fused, recompute=cfg.recompute, recompute_blocks=cfg.recompute_blocks
+            block_n=128,
+            fused=cfg.fused,
+            recompute=cfg.recompute,
+            recompute_blocks=cfg.recompute_blocks,
+            recompute_kernel=cfg.recompute_kernel,
         )
         if cfg.protect
         else FaultPolicy.off()

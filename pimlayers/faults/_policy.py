@@ -71,13 +71,23 @@ class FaultPolicy:
     # chosen when the program is traced, by JAX's first device; tested in single-device programs
     # only (not under vmap, GSPMD sharding, or a computation placed on the CPU of a GPU host).
     fused: bool = False
+    # Recompute what a check detected but could not locate with one device kernel (bf16 / f16
+    # operands; pimlayers/ops/_redo_kernel.py): launched over every tile of the product, it computes
+    # only the tiles holding a detected block and writes their detected rows in place. No branch,
+    # so no host round trip per GEMM on a GPU, and no capacity (every detected block is redone); a
+    # clean product costs a launch whose programs read their flags and exit. On a CPU it runs under
+    # Pallas' interpreter (slow: tests). f32 GEMMs, and blocks no power-of-two tile divides, keep
+    # the loop. Not the default until timed against the loop on a GPU. Like `fused`, tested in
+    # single-device programs (the kernel has no sharding rule: under GSPMD XLA would gather its
+    # operands). With `fused` it replaces the fused path's two-tile redo.
+    recompute_kernel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
             raise TypeError(f"FaultPolicy.mode must be a str, one of {self.MODES}; got {self.mode!r}.")
         if self.mode not in self.MODES:
             raise ValueError(f"FaultPolicy.mode must be one of {self.MODES}; got {self.mode!r}.")
-        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused"):
+        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused", "recompute_kernel"):
             self._set(name, _as_bool(name, getattr(self, name)))
         self._set("gate_fill", _as_float("gate_fill", self.gate_fill))
         if self.gate_limit is not None:
@@ -122,6 +132,11 @@ class FaultPolicy:
                     f"(got block_n=None: whole rows recompute the GEMM, recompute_blocks=None)."
                 )
             self._set("recompute_blocks", int(rb))
+            if self.recompute_kernel:
+                raise ValueError(
+                    f"FaultPolicy.recompute_blocks={rb} and recompute_kernel=True are two ways to redo "
+                    f"detected blocks without a branch; choose one."
+                )
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # Normalise a field of the frozen dataclass.

@@ -27,7 +27,7 @@ from ..faults._inject import GemmFaults, flip_sites
 from ._abft import ABFT_CLEAN, ABFT_DETECTED, F32_ROUNDOFF, abft_bound
 from ._fused_gemm import TILE, block_sums
 
-__all__ = ["REDO_TILES", "fused_flags", "inject_fused", "redo_tiles"]
+__all__ = ["REDO_TILES", "fused_flags", "inject_fused", "redo_tiles", "sums_flags"]
 
 # What the fused path redoes without a branch: up to REDO_TILES tiles of 128 rows x 128 columns (one
 # warpgroup's accumulator tile in the kernel) holding a detected block. A fault that corrupts a whole
@@ -40,12 +40,26 @@ def fused_flags(
     sums: Float[Array, "2 nb m"], c: Float[Array, "m nb 2"], mag: Float[Array, "m nb"], k: int, lam: float
 ) -> Int32[Array, "m nb"]:
     """ABFT_DETECTED where a block's sums disagree with its checks beyond the bound, else ABFT_CLEAN."""
-    s1, s2 = sums[0].T, sums[1].T
-    b1 = abft_bound(mag, 0.0, k, float(TILE), lam, F32_ROUNDOFF)  # the f32 accumulator: no u_y term
+    return sums_flags(sums[0].T, sums[1].T, c, mag, k, float(TILE), lam)
+
+
+def sums_flags(
+    s1: Float[Array, "*m nb"],
+    s2: Float[Array, "*m nb"],
+    c: Float[Array, "*m nb 2"],
+    mag: Float[Array, "*m nb"],
+    k: int,
+    width,
+    lam: float,
+) -> Int32[Array, "*m nb"]:
+    """The check of an f32 accumulator's block sums s1 = Σ acc, s2 = Σ (j + 1) acc (blocks ``width``
+    columns wide: a float, or an array over nb for a ragged last block) against the checks c, mag:
+    ABFT_DETECTED or ABFT_CLEAN. Also the device redo's (``_redo_kernel``)."""
+    b1 = abft_bound(mag, 0.0, k, width, lam, F32_ROUNDOFF)  # the f32 accumulator: no u_y term
     c1, c2 = c[..., 0], c[..., 1]
     finite = jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag) & jnp.isfinite(s1) & jnp.isfinite(s2)
     # Written so a NaN anywhere (sums, checks, bound) lands on "detected".
-    detected = ~finite | ~(jnp.abs(s1 - c1) <= b1) | ~(jnp.abs(s2 - c2) <= TILE * b1)
+    detected = ~finite | ~(jnp.abs(s1 - c1) <= b1) | ~(jnp.abs(s2 - c2) <= width * b1)
     return jnp.where(detected, ABFT_DETECTED, ABFT_CLEAN).astype(jnp.int32)
 
 

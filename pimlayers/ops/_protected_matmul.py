@@ -10,8 +10,10 @@ Forward, for x: (..., K) and w: (K, N) in f32, bf16 or f16:
      in the bound (``_product_dtype`` says why that keeps the check about as sharp);
   4. errors located there are rebuilt in place; anything detected but not located triggers one
      recompute of the GEMM in a loop of 0 or 1 trips (the rare slow path) or, with
-     ``policy.recompute_blocks``, a branch-free redo of the flagged column blocks alone; either is
-     checked again, and what still disagrees is reported as uncorrectable — never silent;
+     ``policy.recompute_blocks``, a branch-free redo of the flagged column blocks alone, or with
+     ``policy.recompute_kernel`` (bf16/f16) the device kernel that computes only the detected
+     blocks (``_redo_kernel``); each is checked again, and what still disagrees is reported as
+     uncorrectable — never silent;
   5. the insulation gate replaces non-finite (and out-of-range) values and counts them; checks 3-5
      (and an f32 product's cast to the output dtype) are one pass over y (``abft_finish``).
 
@@ -54,6 +56,7 @@ from ._common import check_float, first_true
 from ._fused_check import fused_flags, inject_fused, redo_tiles
 from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, hopper
 from ._gate import gate
+from ._redo_kernel import redo_detected, redo_kernel_applies
 
 __all__ = [
     "TRANSPOSED_CHECKSUMS",
@@ -191,7 +194,12 @@ def _checked_gemm(
     detected = jnp.sum(flagged > 0, dtype=jnp.int32)
     in_place, pending, gated_first = (jnp.sum(t, dtype=jnp.int32) for t in (in_place, pending, gated_first))
     recomputed = jnp.int32(0)
-    if policy.corrects and policy.recompute and policy.recompute_blocks is not None:
+    if policy.corrects and policy.recompute and _redo_kernel_applies(a, b, out_dtype, policy, r, k, n):
+        out, gated, still, recomputed = redo_detected(
+            a, b, *own(), out, flags, counts, **_redo_kw(policy), a_t=a_t, b_t=b_t
+        )
+        gated = gated + gated_first
+    elif policy.corrects and policy.recompute and policy.recompute_blocks is not None:
         out, gated, still, recomputed = _redo_blocks(
             a, b, *own(), out, flags, counts, policy, precision, a_t, b_t
         )
@@ -269,6 +277,18 @@ def _checked_gemms(
     return tuple(outs), report
 
 
+def _redo_kernel_applies(a, b, out_dtype, policy: FaultPolicy, r: int, k: int, n: int) -> bool:
+    """Whether this GEMM's detected blocks are redone by the device kernel (``_redo_kernel``):
+    ``FaultPolicy(recompute_kernel=True)`` and a GEMM it takes (bf16 / f16 operands, tiled blocks)."""
+    return policy.recompute_kernel and redo_kernel_applies(a, b, out_dtype, policy.block_n, r, k, n)
+
+
+def _redo_kw(policy: FaultPolicy) -> dict:
+    """The policy's settings that :func:`redo_detected` takes."""
+    p = policy
+    return dict(block_n=p.block_n, lam=p.lam, gate=p.gate, fill=p.gate_fill, limit=p.gate_limit)
+
+
 def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tuple[Int32[Array, " g"], ...]:
     """Per GEMM: blocks corrected in place, blocks pending (detected, not located), blocks flagged
     at all, values gated. One variadic reduction reads flags and counts once; as four sums XLA
@@ -314,8 +334,9 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
     blocks, correcting without a gate limit, on a GPU that runs the kernel, with ``impl="auto"``
     ("native" keeps the unfused native check, "reference" the pure-JAX one).
 
-    With ``recompute`` only the branch-free tile redo is taken there (``_fused_check.redo_tiles``):
-    a whole recompute would need a branch, whose predicate goes through the host on a GPU.
+    With ``recompute`` only a branch-free redo is taken there (``_fused_check.redo_tiles``, or with
+    ``recompute_kernel`` the device kernel, ``_redo_kernel``): a whole recompute would need a
+    branch, whose predicate goes through the host on a GPU.
     """
     if impl != "auto" or a_t or b_t or a.shape[0] != 1:
         return False
@@ -345,7 +366,14 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
     _margins.record(role, y[None], c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     flags = fused_flags(sums, c[0], mag[0], k, policy.lam)
-    if policy.recompute:
+    if policy.recompute and policy.recompute_kernel:  # every detected block, on the device kernel
+        pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
+        zeros = jnp.zeros(flags.shape, jnp.int32)  # nothing gated yet: the fused path has no finish
+        y, gated, still, redone = redo_detected(
+            a, b, c, mag, y[None], flags[None], zeros[None], **_redo_kw(policy)
+        )
+        y = y[0]
+    elif policy.recompute:
         kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
         y, pending, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
     else:

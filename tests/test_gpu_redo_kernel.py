@@ -1,0 +1,67 @@
+"""The device redo's Triton kernel on a GPU (skipped elsewhere): against Pallas' interpreter of the same
+kernel, and inside protected_matmul at a Llama-3-8B shape."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_redo_kernel import KERNEL, _case, _close, _two_in_a_block, _xw
+
+from pimlayers import ops
+from pimlayers.ops._abft import ABFT_DETECTED
+from pimlayers.ops._redo_kernel import _redo_call, _tiling
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("the redo kernel's Triton build needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(
+    ("r", "k", "n", "block_n", "a_t", "b_t"),
+    [
+        (8192, 4096, 1024, 128, False, False),
+        (300, 200, 500, None, True, False),
+        (256, 128, 384, 32, False, True),
+    ],
+)
+def test_kernel_equals_its_interpreter(cuda, r, k, n, block_n, a_t, b_t):
+    a, b, _, mag = _case(1, r, k, n, block_n, jnp.bfloat16)
+    y = jnp.matmul(a, b, preferred_element_type=jnp.bfloat16)
+    nb = mag.shape[-1]
+    rng = np.random.default_rng(0)
+    flags = np.zeros((1, r, nb), np.int32)
+    flags[0, rng.choice(r, 20, replace=False), rng.integers(0, nb, 20)] = ABFT_DETECTED
+    rows = jnp.asarray(np.any(flags > 0, axis=-1))[..., None]
+    y = jnp.where(rows, jnp.bfloat16(7.0), y)  # the detected rows overwritten: the redo restores them
+    aa = jnp.swapaxes(a, 1, 2) if a_t else a
+    bb = jnp.swapaxes(b, 1, 2) if b_t else b
+    kw = dict(block_n=block_n, a_t=a_t, b_t=b_t, gate=True, fill=0.0, limit=float(jnp.finfo(jnp.float32).max))
+    got = _redo_call(aa, bb, jnp.asarray(flags), y, **kw)
+    want = jax.jit(functools.partial(_redo_call, **kw, interpret=True))(aa, bb, jnp.asarray(flags), y)
+    _close(got[0], want[0])  # the tensor cores' f32 order against XLA's: one bf16 rounding
+    bw, bn = _tiling(block_n, n)
+    blk = np.arange(got[1].shape[1]) * bn // bw  # each column tile's block
+    redone = (flags[0] > 0)[:, blk].T  # (tiles, R): written where the tile's block was detected
+    for g, w in zip(got[1:], want[1:], strict=True):  # s1, s2, gated count
+        gv, wv = np.asarray(g)[0][redone], np.asarray(w)[0][redone]
+        np.testing.assert_allclose(gv, wv, rtol=1e-4, atol=1e-2 * max(1.0, float(np.max(np.abs(wv)))))
+
+
+def test_llama_shape_unlocatable_faults_redone_and_clean_untouched(cuda):
+    x, w = _xw(8192, 4096, 1024)
+    clean = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16)
+    f = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, policy=KERNEL, faults=fl))
+    y, r = f(x, w, _two_in_a_block(clean, 4000, 128))
+    d = r.to_dict()
+    keys = ("gemm_detected", "gemm_recomputed", "gemm_corrected", "gemm_uncorrectable")
+    assert tuple(d[c] for c in keys) == (1, 1, 1, 0)
+    _close(y, clean)
+    y0, r0 = jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=KERNEL))(x, w)
+    y1, _ = jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=KERNEL.replace(recompute=False)))(x, w)
+    assert np.asarray(y0).tobytes() == np.asarray(y1).tobytes() and r0.to_dict()["gemm_recomputed"] == 0
