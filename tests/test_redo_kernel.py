@@ -85,6 +85,22 @@ def test_only_detected_blocks_are_rewritten_with_the_recomputed_product(g, r, k,
     assert int(redone) == len({d[0] for d in detected})
 
 
+def test_checks_shared_with_other_products_are_read_at_the_block_offset():
+    """One check GEMM for several products (attention's q, k, v): this product's blocks lie from an
+    offset on. The redo reads them there; read from 0 (another product's), every redone block fails."""
+    a, b, c, mag = _case(1, 64, 96, 256, 128, jnp.bfloat16)
+    other = jnp.full((1, 64, 3), 1e3, jnp.float32)  # another product's 3 blocks, first
+    c2, mag2 = jnp.concatenate([jnp.stack([other, other], -1), c], 2), jnp.concatenate([other, mag], 2)
+    y = jnp.matmul(a, b, preferred_element_type=jnp.bfloat16)
+    flags = jnp.zeros(mag.shape, jnp.int32).at[0, 9, 1].set(ABFT_DETECTED).at[0, 40, 0].set(ABFT_DETECTED)
+    zeros = jnp.zeros_like(flags)
+    for off, still in ((3, 0), (0, 2)):
+        kw = dict(block_n=128, block_offset=off)
+        got, _, st, redone = _redo(a, b, c2, mag2, y.at[0, 9].set(5.0), flags, zeros, **kw)
+        assert (int(st), int(redone)) == (still, 1)
+    _close(got[0, 9, 128:], y[0, 9, 128:])
+
+
 def test_a_clean_product_is_untouched_and_nothing_is_reported():
     a, b, c, mag = _case(1, 96, 64, 160, 32, jnp.bfloat16)
     y = jnp.matmul(a, b, preferred_element_type=jnp.bfloat16)

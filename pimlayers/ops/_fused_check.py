@@ -40,23 +40,24 @@ def fused_flags(
     sums: Float[Array, "2 nb m"], c: Float[Array, "m nb 2"], mag: Float[Array, "m nb"], k: int, lam: float
 ) -> Int32[Array, "m nb"]:
     """ABFT_DETECTED where a block's sums disagree with its checks beyond the bound, else ABFT_CLEAN."""
-    return sums_flags(sums[0].T, sums[1].T, c, mag, k, float(TILE), lam)
+    return sums_flags(sums[0].T, sums[1].T, c[..., 0], c[..., 1], mag, k, float(TILE), lam)
 
 
 def sums_flags(
     s1: Float[Array, "*m nb"],
     s2: Float[Array, "*m nb"],
-    c: Float[Array, "*m nb 2"],
+    c1: Float[Array, "*m nb"],
+    c2: Float[Array, "*m nb"],
     mag: Float[Array, "*m nb"],
     k: int,
     width,
     lam: float,
 ) -> Int32[Array, "*m nb"]:
     """The check of an f32 accumulator's block sums s1 = Σ acc, s2 = Σ (j + 1) acc (blocks ``width``
-    columns wide: a float, or an array over nb for a ragged last block) against the checks c, mag:
-    ABFT_DETECTED or ABFT_CLEAN. Also the device redo's (``_redo_kernel``)."""
+    columns wide: a float, or an array over nb for a ragged last block) against the checks c1, c2
+    and mag: ABFT_DETECTED or ABFT_CLEAN. Also the device redo's, inside its kernel
+    (``_redo_kernel``)."""
     b1 = abft_bound(mag, 0.0, k, width, lam, F32_ROUNDOFF)  # the f32 accumulator: no u_y term
-    c1, c2 = c[..., 0], c[..., 1]
     finite = jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag) & jnp.isfinite(s1) & jnp.isfinite(s2)
     # Written so a NaN anywhere (sums, checks, bound) lands on "detected".
     detected = ~finite | ~(jnp.abs(s1 - c1) <= b1) | ~(jnp.abs(s2 - c2) <= width * b1)

@@ -182,7 +182,7 @@ def _checked_gemm(
     kw["block_offset"] = off
     nb = enc.abs_sums.shape[-1]
 
-    def own():  # this product's checks alone (copies where shared: margins and the redo only)
+    def own():  # this product's checks alone (copies where shared: margins and the block redo only)
         if off == 0 and c.shape[-2] == nb:
             return c, mag
         return c[..., off : off + nb, :], mag[..., off : off + nb]
@@ -196,7 +196,7 @@ def _checked_gemm(
     recomputed = jnp.int32(0)
     if policy.corrects and policy.recompute and _redo_kernel_applies(a, b, out_dtype, policy, r, k, n):
         out, gated, still, recomputed = redo_detected(
-            a, b, *own(), out, flags, counts, **_redo_kw(policy), a_t=a_t, b_t=b_t
+            a, b, c, mag, out, flags, counts, **_redo_kw(policy), a_t=a_t, b_t=b_t, block_offset=off
         )
         gated = gated + gated_first
     elif policy.corrects and policy.recompute and policy.recompute_blocks is not None:
