@@ -125,6 +125,7 @@ def test_bad_options_are_refused(capsys):
     assert cfg.steps == 5 and not cfg.protect and cfg.data == ["a.txt", "b"]
 
 
+@pytest.mark.slow
 def test_bf16_training_with_the_device_redo_matches_the_loop(tmp_path):
     """``--recompute-kernel``: the bf16 step with every GEMM's recompute on the device kernel (here
     under Pallas' interpreter) corrects the same injected faults as the loop, to the same loss."""
