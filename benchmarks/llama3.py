@@ -61,13 +61,14 @@ def run(
     # (protect, fused, flash, recompute_blocks, recompute, recompute_kernel): off; off with cuDNN's
     # attention; on; with ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with
     # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
-    # without recompute), with ``redo_kernel`` on with the device redo.
+    # without recompute), with ``redo_kernel`` on with the device redo (and with both, fused with it).
     configs = [(False, False, "auto", None, True, False)]
     configs += [(False, False, "on", None, True, False)] if cudnn_peer else []
     configs += [(True, False, "auto", None, True, False)]
     configs += [(True, True, "auto", None, True, False)] if fused else []
     configs += [(True, False, "auto", redo_blocks, True, False)] if redo_blocks else []
     configs += [(True, False, "auto", None, True, True)] if redo_kernel else []
+    configs += [(True, True, "auto", None, True, True)] if redo_kernel and fused else []
     configs += [(True, False, "auto", None, False, False)] if no_recompute else []
     configs += [(True, True, "auto", None, False, False)] if no_recompute and fused else []
     for protect, fz, flash, rb, redo, kernel in configs:

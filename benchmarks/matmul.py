@@ -8,7 +8,9 @@ Forward: y = x @ w. Forward+backward: value and gradient of sum(y * g) with resp
 the checked sums), timed in the same run at 128-column blocks on a Hopper GPU only; ``kernel`` is
 ``FaultPolicy(recompute_kernel=True)`` (what a check cannot locate redone by one device kernel
 instead of the recompute loop, whose predicate the host reads), on a GPU only, after checking that
-it repairs two errors in one block; ``kernel_ratio`` = plain / kernel, alternating as ``ratio``.
+it repairs two errors in one block; ``kernel_ratio`` = plain / kernel, alternating as ``ratio``;
+``fused_redo_kernel`` both (Hopper, 128-column blocks: the fused GEMM redoing its detected tiles on
+that kernel).
 """
 
 from __future__ import annotations
@@ -82,9 +84,11 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     # interpreter, and the loop it replaces costs no host round trip there.
     with_kernel = _redo_kernel_timed(dtype)
     kernel = pairs(m, k, n, dtype, policy.replace(recompute_kernel=True)) if with_kernel else None
+    both = with_fused and with_kernel  # the fused GEMM redoing its detected tiles on the kernel
+    fused_kernel = pairs(m, k, n, dtype, policy.replace(fused=True, recompute_kernel=True)) if both else None
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
-    others = [c["fwd"][1] for c in (fused, kernel) if c is not None]
+    others = [c["fwd"][1] for c in (fused, kernel, fused_kernel) if c is not None]
     for f in (prot, *others):
         y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
@@ -92,6 +96,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
             raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
     if with_kernel:
         _check_redo(policy.replace(recompute_kernel=True), args_q, y0, f"{k}->{n}")
+    if both:
+        _check_redo(policy.replace(fused=True, recompute_kernel=True), args_q, y0, f"fused {k}->{n}")
     flops = 2.0 * m * k * n
     t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
     extra = {}
@@ -100,6 +106,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
     if with_kernel:
         extra |= _kernel_cols(plain, args_p, kernel["fwd"][1], args_q)
+    if both:
+        extra |= _kernel_cols(plain, args_p, fused_kernel["fwd"][1], args_q, "fused_redo_kernel")
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
@@ -115,6 +123,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
     if with_kernel:
         extra |= _kernel_cols(plain_g, args_p, kernel["fwd+bwd"][1], args_q)
+    if both:
+        extra |= _kernel_cols(plain_g, args_p, fused_kernel["fwd+bwd"][1], args_q, "fused_redo_kernel")
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
 
@@ -124,10 +134,10 @@ def _redo_kernel_timed(dtype) -> bool:
     return jax.devices()[0].platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def _kernel_cols(plain, args_p, kernel, args_q) -> dict:
-    """``kernel_ms`` and ``kernel_ratio`` (plain / kernel, alternating rounds as ``time_pair``)."""
+def _kernel_cols(plain, args_p, kernel, args_q, name: str = "kernel") -> dict:
+    """``{name}_ms`` and ``{name}_ratio`` (plain / it, alternating rounds as ``time_pair``)."""
     _, t, ratio = time_pair(plain, args_p, kernel, args_q)
-    return dict(kernel_ms=t * 1e3, kernel_ratio=ratio)
+    return {f"{name}_ms": t * 1e3, f"{name}_ratio": ratio}
 
 
 def _check_redo(policy: FaultPolicy, args, y0, what: str) -> None:

@@ -643,13 +643,21 @@ def test_matmul_suite_times_the_device_redo_after_checking_it_repairs(monkeypatc
     from benchmarks import matmul
     from pimlayers import FaultPolicy
 
+    from pimlayers.ops import _fused_gemm, _protected_matmul
+
     monkeypatch.setattr(matmul, "_redo_kernel_timed", lambda dtype: True)
     monkeypatch.setattr(matmul, "time_pair", lambda a, aa, b, ab: (1e-3, 2e-3, 0.5))
+    monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 3e-3)
     rows = matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
     assert [r["op"] for r in rows] == ["fwd 128->256", "fwd+bwd 128->256"]
     assert all(r["kernel_ms"] == 2.0 and r["kernel_ratio"] == 0.5 for r in rows)
+    assert all("fused_redo_kernel_ms" not in r for r in rows)  # no Hopper GPU: no fused rows
+    # As on a Hopper GPU, the fused kernel's reference standing in: the fused GEMM with the redo too.
+    monkeypatch.setattr(matmul, "hopper", lambda: True)
+    monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
+    rows = matmul._shape(256, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
+    assert all(r["fused_ms"] == 3.0 and r["fused_redo_kernel_ms"] == 2.0 for r in rows)
     # A redo that leaves the block as found (the kernel replaced by nothing): refused.
-    from pimlayers.ops import _protected_matmul
 
     monkeypatch.setattr(
         _protected_matmul, "redo_detected", lambda a, b, c, m, out, fl, cnt, **kw: (out, 0, 0, 1)
