@@ -275,6 +275,23 @@ def test_batched_gemms_redo_only_the_gemm_that_needs_it():
     _close(y, clean)
 
 
+def test_under_vmap_only_the_faulty_gemm_is_redone():
+    """vmap over three GEMMs (the kernel batched: one more grid axis), faults in the second only."""
+    pairs = [_xw(64, 64, 256, seed=s) for s in range(3)]
+    x, w = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+    clean = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16)
+    one = _two_in_a_block(clean[1], 0)
+    sites = jax.tree.map(lambda v: jnp.stack([v] * 3), one)
+    sites = sites._replace(active=jnp.asarray([[False] * 2, [True] * 2, [False] * 2]))
+    f = jax.vmap(lambda a, b, fl: ops.protected_matmul(a, b, policy=KERNEL, faults=fl))
+    y, r = jax.jit(f)(x, w, sites)
+    assert np.asarray(r.gemm_recomputed).tolist() == [0, 1, 0]
+    assert np.asarray(r.gemm_uncorrectable).tolist() == [0, 0, 0]
+    _close(y, clean)
+    text = jax.jit(f).trace(x, w, sites).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" not in text
+
+
 def test_f32_gemms_keep_the_loop():
     x, w = _xw(32, 32, 64, dtype=jnp.float32)
     assert _flow(KERNEL, x, w)["while"] == 1

@@ -77,7 +77,7 @@ class FaultPolicy:
     # so no host round trip per GEMM on a GPU, and no capacity (every detected block is redone); a
     # clean product costs a launch whose programs read their flags and exit. On a CPU it runs under
     # Pallas' interpreter (slow: tests). f32 GEMMs, and blocks no power-of-two tile divides, keep
-    # the loop. Not the default until timed against the loop on a GPU. Like `fused`, tested in
+    # the loop. Not the default until timed against the loop on a GPU. Tested under vmap and in
     # single-device programs (the kernel has no sharding rule: under GSPMD XLA would gather its
     # operands). With `fused` it replaces the fused path's two-tile redo.
     recompute_kernel: bool = False
