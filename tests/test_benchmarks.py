@@ -642,7 +642,6 @@ def test_matmul_suite_times_the_device_redo_after_checking_it_repairs(monkeypatc
 
     from benchmarks import matmul
     from pimlayers import FaultPolicy
-
     from pimlayers.ops import _fused_gemm, _protected_matmul
 
     monkeypatch.setattr(matmul, "_redo_kernel_timed", lambda dtype: True)
