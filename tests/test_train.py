@@ -113,6 +113,10 @@ def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit):
         T.parse_args(["--remat-policy", "dots"])
     assert "gemms" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        T.parse_args(["--recompute-kernel", "--no-recompute"])
+    assert "--recompute-kernel" in capsys.readouterr().err
+    assert T.parse_args(["--recompute-kernel"]).recompute_kernel
     for bad, match in (
         (dict(recompute=False, recompute_blocks=4), "choose one"),
         (dict(recompute=False, recompute_kernel=True), "recompute_kernel=True .*choose one"),

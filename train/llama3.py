@@ -124,10 +124,9 @@ def parse_args(argv=None) -> TrainConfig:
     if cfg.flash not in _FLASH:
         ap.error(f"--flash {cfg.flash}: expected one of {sorted(_FLASH)}")
     if cfg.recompute_kernel and (not cfg.recompute or cfg.recompute_blocks is not None):
-        raise ValueError(
-            f"TrainConfig.recompute_kernel=True redoes what a check cannot locate on a device kernel; "
-            f"with recompute={cfg.recompute} and recompute_blocks={cfg.recompute_blocks} choose one "
-            f"(recompute=True, recompute_blocks=None with it)"
+        ap.error(
+            "--recompute-kernel redoes what a check cannot locate: "
+            "not with --no-recompute or --recompute-blocks"
         )
     if cfg.remat_policy not in REMAT_POLICIES:
         ap.error(f"--remat-policy {cfg.remat_policy}: expected one of {sorted(REMAT_POLICIES)}")
