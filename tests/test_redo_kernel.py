@@ -14,7 +14,7 @@ from helpers import host_control_flow
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
 from pimlayers.ops import _fused_gemm, _protected_matmul
-from pimlayers.ops._abft import ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums
+from pimlayers.ops._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums
 from pimlayers.ops._redo_kernel import redo_detected, redo_kernel_applies
 
 KERNEL = FaultPolicy(recompute_kernel=True)
@@ -43,8 +43,8 @@ def _redo(a, b, c, mag, y, flags, counts, **kw):
         (2, 64, 64, 256, 32, False, True, jnp.bfloat16),  # two GEMMs, wᵀ stored (dx's layout)
         (1, 129, 65, 257, None, True, True, jnp.float16),
         (3, 40, 200, 384, 256, False, False, jnp.bfloat16),  # two column tiles per block
-        (1, 130, 64, 2200, 128, False, False, jnp.bfloat16),  # 18 column tiles: two per program
-        (1, 40, 64, 2100, None, False, True, jnp.bfloat16),  # a whole row over two programs
+        (1, 130, 64, 2200, 128, False, False, jnp.bfloat16),  # 18 blocks: two programs per row tile
+        (1, 40, 64, 2100, None, False, True, jnp.bfloat16),  # a whole row: 17 tiles in one program
     ],
 )
 def test_only_detected_blocks_are_rewritten_with_the_recomputed_product(g, r, k, n, block_n, a_t, b_t, out):
@@ -69,8 +69,8 @@ def test_only_detected_blocks_are_rewritten_with_the_recomputed_product(g, r, k,
     bb = jnp.swapaxes(b, 1, 2) if b_t else b
     args = (aa, bb, c, mag, jnp.asarray(y, out), jnp.asarray(flags), jnp.asarray(counts))
     got, gated, still, redone = _redo(*args, block_n=block_n, a_t=a_t, b_t=b_t)
+    assert got.dtype == out and got.shape == (g, r, n)
     got = np.asarray(got, np.float32)
-    assert got.dtype == np.float32 and jnp.asarray(got).shape == (g, r, n)
     hit = np.zeros((g, r, n), bool)
     for gi, ri, bi in set(detected):
         hit[gi, ri, bi * bw : (bi + 1) * bw] = True
@@ -322,4 +322,3 @@ def test_policy_takes_one_branch_free_redo():
         FaultPolicy(recompute_blocks=4, recompute_kernel=True)
     with pytest.raises(TypeError, match="recompute_kernel must be a bool"):
         FaultPolicy(recompute_kernel=1)
-    assert ABFT_CLEAN == 0
