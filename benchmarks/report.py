@@ -31,6 +31,9 @@ from the `s35warm` files (2026-12-05) on, after warming both up for 0.25 s inste
 `benchmarks/matmul.py::parts`); `ratio` there is plain / protected. `fused` / `protected_fused` is
 `FaultPolicy(fused=True)`: on a Hopper GPU the forward GEMM is one Pallas kernel whose epilogue forms
 the block sums the check compares (`fused_kernel`: that GEMM alone), not the default yet.
+`kernel` / `protected_redo_kernel` is `FaultPolicy(recompute_kernel=True)`: what a check cannot
+locate is redone by one device kernel (GPU only; timed after it repaired two non-finite values in one
+block), with no recompute loop whose predicate the host reads; `fused_redo_kernel` is both (Hopper).
 
 Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
 shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;
@@ -199,7 +202,8 @@ level the CPU reports (below it, a higher cap runs the lower kernels).
 
 FIGURE = """
 The goals' history, one point per results file that measures the goal (`goals.history`): the best
-and the worst case of each file (goal 1: the four shapes, forward and forward+backward; goal 2: the
+and the worst case of each file (goal 1: the four shapes, forward and forward+backward, and the
+opt-in device redo's cases where a file has them; goal 2: the
 modes, with and without the recompute loop; goal 3: both timings of each scrub; goal 4: each
 recompute policy, with the best case's MFU; goal 5: every forward and forward+backward row of the
 file, not the newest three together as the table judges it).

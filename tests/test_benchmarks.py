@@ -136,7 +136,9 @@ def _goal_results() -> list[dict]:
     gemm = dict(op="fwd 4096->1024", m=8192, block_n=128, plain_ms=0.1, protected_ms=0.1, ratio=1.0)
     return [
         res("matmul", "gpu:NVIDIA H200", "2026-12-01T00:00", [dict(gemm, ratio=0.5)], "old.json"),
-        res("matmul", "gpu:NVIDIA H200", "2026-12-02T00:00", [gemm, dict(gemm, block_n="row")], "new.json"),
+        res("matmul", "gpu:NVIDIA H200", "2026-12-02T00:00", [
+            dict(gemm, kernel_ms=0.125, kernel_ratio=0.8), dict(gemm, block_n="row"),
+        ], "new.json"),
         res("matmul", "cpu:cpu", "2026-12-02T00:00", [
             dict(op="fwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.2, ratio=1 / 1.2),
             dict(op="fwd+bwd 256->1024", m=256, block_n=128, plain_ms=1.0, protected_ms=1.1, ratio=1 / 1.1),
@@ -169,8 +171,12 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     results = _goal_results()
     rows = goals.rows(results)
     by = {(r["goal"], r["case"]): r for r in rows}
-    assert [r["file"] for r in rows if r["goal"] == 1] == ["new.json"]  # the newest, 128-column rows only
+    # The newest file, 128-column rows only (the default's case and the device redo's)
+    assert [r["file"] for r in rows if r["goal"] == 1] == ["new.json"] * 2
     assert by[(1, "fwd 4096->1024")]["met"]  # ratio 1.0 meets ">= 1.00"
+    redo = by[(1, "fwd 4096->1024, device redo")]  # the opt-in variant's columns, its own case
+    assert not redo["met"] and redo["ours"] == "0.125 ms" and redo["ratio"] == 0.8
+    assert (1, "fwd 4096->1024, fused GEMM, device redo") not in by  # not in the file: no row
     assert by[(3, "scrub (verify every stripe + parity), 2 GB, kernels' time")]["met"]  # 0.917
     assert not by[(3, "scrub (verify every stripe + parity), 2 GB, timed loop")]["met"]  # 0.833
     assert not any("one op per leaf" in r["case"] for r in rows)
@@ -196,7 +202,7 @@ def test_goals_history_has_each_files_best_and_worst_case_oldest_first_and_draws
         by.setdefault(p["goal"], []).append(p)
     assert sorted(by) == [1, 2, 3, 4, 5]
     assert [p["file"] for p in by[1]] == ["old.json", "new.json"]  # both GPU files, oldest first
-    assert (by[1][0]["best"], by[1][1]["best"], by[1][1]["cases"]) == (0.5, 1.0, 1)
+    assert (by[1][0]["best"], by[1][1]["best"], by[1][1]["worst"], by[1][1]["cases"]) == (0.5, 1.0, 0.8, 2)
     # Goal 5: every CPU file on its own (the table judges the newest three together).
     assert [p["file"] for p in by[5]] == ["cpu1.json", "cpu2.json", "cpu3.json", "cpu.json"]
     assert by[5][-1]["best"] == 1 / 1.1 and by[5][-1]["worst"] == 1 / 1.2 and by[5][-1]["cases"] == 2
