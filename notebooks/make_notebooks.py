@@ -81,6 +81,40 @@ plt.title("protected MLP output after 8 injected flips"); plt.tight_layout(); pl
     ),
     (
         "md",
+        """## What a check cannot locate: recomputed, with or without a branch
+
+Two errors in one checksum block fit no single column, so the block is recomputed. By default the
+whole GEMM is recomputed in a loop of 0 or 1 trips; on a GPU the host reads that loop's predicate
+after every protected GEMM, faults or not. `FaultPolicy(recompute_kernel=True)` (bf16/f16) instead
+launches one kernel over every tile that computes only the detected blocks and checks them again:
+no branch at all. On a CPU the kernel runs under Pallas' interpreter; the program a GPU would run
+is lowered here to count its loops.""",
+    ),
+    (
+        "code",
+        """from pimlayers import FaultPolicy, ops
+
+xb = jax.random.normal(jax.random.key(5), (256, 512)).astype(jnp.bfloat16)
+wb = (jax.random.normal(jax.random.key(6), (512, 384)) / np.sqrt(512)).astype(jnp.bfloat16)
+clean_b = np.asarray(jnp.matmul(xb, wb, preferred_element_type=jnp.float32))
+# Two values of row 7's first 128-column block with exponent 127: their exponent's top bit flipped
+# turns both into NaN (gated, then recomputed).
+row = 7
+cols = np.flatnonzero((np.abs(clean_b[row, :128]) >= 1.1) & (np.abs(clean_b[row, :128]) < 1.9))[:2]
+two = GemmFaults(jnp.array([row, row]), jnp.asarray(cols), jnp.array([30, 30]), jnp.array([True, True]))
+# y is bf16: "max |y - f32|" is its distance from the f32 product, one bf16 rounding when repaired.
+head = ("recompute", 16), ("detected", 9), ("recomputed", 11), ("uncorr.", 8), ("max |y - f32|", 14)
+print(" ".join(f"{h:>{w}}" for h, w in head), f"{'GPU loops':>10}")
+for name, pol in (("loop (default)", FaultPolicy()), ("device kernel", FaultPolicy(recompute_kernel=True))):
+    y, r = jax.jit(lambda a, b, f, p=pol: ops.protected_matmul(a, b, policy=p, faults=f))(xb, wb, two)
+    gpu = jax.jit(lambda a, b, p=pol: ops.protected_matmul(a, b, policy=p)[0]).trace(xb, wb)
+    loops = gpu.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.while")
+    err = float(np.max(np.abs(np.asarray(y, np.float32) - clean_b)))
+    print(f"{name:>16} {int(r.gemm_detected):>9} {int(r.gemm_recomputed):>11} {int(r.gemm_uncorrectable):>8} "
+          f"{err:>14.3g} {loops:>10}")""",
+    ),
+    (
+        "md",
         """## Attention: the checks inside a flash kernel
 
 With protection on, `attention_core` runs flash attention on a Hopper GPU (`ops.flash_attention`), with
