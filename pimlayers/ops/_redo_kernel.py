@@ -130,7 +130,7 @@ def _redo_block(
     del nb, bpp
     a_ref, b_ref, counts_ref, c_ref, mag_ref, y_ref = refs
     rows = pl.ds(i * _BM, _BM)
-    tiles = pl.cdiv(bw, bn) if bw == n else bw // bn
+    tiles = pl.cdiv(bw, bn)  # a whole row: ragged; a block: bn divides it
 
     def tile(t, sums):
         j = blk * (bw // bn) + t  # the column tile (a whole row: blk = 0, t itself)
