@@ -77,9 +77,12 @@ class FaultPolicy:
     # so no host round trip per GEMM on a GPU, and no capacity (every detected block is redone); a
     # clean product costs a launch whose programs read their flags and exit. On a CPU it runs under
     # Pallas' interpreter (slow: tests). f32 GEMMs, and blocks no power-of-two tile divides, keep
-    # the loop. Not the default until timed against the loop on a GPU. Tested under vmap and in
-    # single-device programs (the kernel has no sharding rule: under GSPMD XLA would gather its
-    # operands). With `fused` it replaces the fused path's two-tile redo.
+    # the loop. Not the default until timed against the loop on a GPU. Over several devices each
+    # device redoes its own rows (pimlayers/ops/_redo_sharding.py); where the contraction is split
+    # (dw under data parallelism) the operands are gathered only under a branch taken on a
+    # detection, the loop's host round trip in that case. Tested under vmap, on one device and on 8
+    # CPU devices (data parallel, data + FSDP), not yet on several GPUs. With `fused` it replaces the
+    # fused path's two-tile redo.
     recompute_kernel: bool = False
 
     def __post_init__(self) -> None:

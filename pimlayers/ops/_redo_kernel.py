@@ -19,9 +19,10 @@ and the values, cast to y's dtype and gated (non-finite, or beyond the gate's li
 as the first pass left it, corrections in place included). The sums are checked in the kernel
 against the GEMM's own checks (c, mag, read in place) by the fused GEMM's test
 (``_fused_check.sums_flags``: the f32 accumulator's bound, no rounding term); each program writes
-four counts (blocks still failing, values gated, the first pass's gated count there, whether it
-redid anything), zeros on a clean product, whose programs exit after reading their flags: one
-launch, a few hundred bytes per program, and XLA sums the counts. Every detected block is redone
+four counts per row of its tile (blocks still failing, values gated, the first pass's gated count
+there, blocks redone), zeros on a clean product, whose programs exit after reading their flags: one
+launch, a few KiB per program, and XLA sums the counts. Counts per row, not per program, so that
+on several devices each device's rows carry their own (``_redo_sharding``). Every detected block is redone
 (no capacity); a redone block that fails again is reported uncorrectable, never silent. Unlike the
 loop's second pass nothing is located in the recompute (a second fault in the same block's
 recompute) and margins are not recorded for it.
@@ -45,6 +46,7 @@ from jaxtyping import Array, Float, Int32
 
 from ._abft import ABFT_CLEAN, ABFT_DETECTED
 from ._fused_check import sums_flags
+from ._redo_sharding import partitioned
 
 __all__ = ["redo_detected", "redo_kernel_applies"]
 
@@ -57,7 +59,7 @@ _BK = 64  # K per step of the dot loop (two bf16 operand tiles of 16 KiB per pip
 # (it checks them), so a whole-row block is one program per row tile; a program holding a detected
 # block recomputes its tiles one after another.
 _TPP = 16
-_STATS = 4  # per program: blocks still failing, values gated by the redo, the first pass's there, redone
+_STATS = 4  # per row: blocks still failing, values gated by the redo, the first pass's there, redone
 
 
 def _tile_n(width: int) -> int | None:
@@ -117,16 +119,16 @@ def _kernel(a_ref, b_ref, flags_ref, counts_ref, c_ref, mag_ref, y_in_ref, y_ref
     anyd = jnp.int32(0)
     for t in range(bpp):
         anyd = jnp.maximum(anyd, jnp.max(detected(jj * bpp + t).astype(jnp.int32)))
-    zeros = jnp.zeros((_STATS,), jnp.int32)
+    zeros = jnp.zeros((_BM, _STATS), jnp.int32)
     stats = lax.cond(anyd > 0, lambda st: lax.fori_loop(0, bpp, block, st), lambda st: st, zeros)
-    stats_ref[g, i, jj, :] = stats
+    plt.store(stats_ref.at[g, rows, jj, pl.ds(0, _STATS)], stats, mask=rmask[:, None])
 
 
 def _redo_block(
     refs, g, i, blk, rmask, redo, *, k, n, nb, bw, bn, bpp, off, a_t, b_t, gate, fill, limit, lam
 ):
     """Block ``blk`` of row tile i: its tiles' K-long dot products, the detected rows stored, the
-    block's sums checked against (c, mag) again. Returns this block's stats (_STATS,)."""
+    block's sums checked against (c, mag) again. Returns this block's stats per row (BM, _STATS)."""
     del nb, bpp
     a_ref, b_ref, counts_ref, c_ref, mag_ref, y_ref = refs
     rows = pl.ds(i * _BM, _BM)
@@ -186,16 +188,17 @@ def _redo_block(
     width = jnp.minimum(bw, n - blk * bw).astype(jnp.float32)
     again = sums_flags(s1, s2, c1, c2, mag, k, width, lam) != ABFT_CLEAN
     first = plt.load(counts_ref.at[g, rows, blk], mask=rmask, other=0)
-    i32 = lambda v: jnp.sum(v.astype(jnp.int32))
-    return _vector(i32(redo & again), i32(jnp.where(redo, cnt, 0)), i32(jnp.where(redo, first, 0)), 1)
+    zero = jnp.zeros_like(cnt)
+    return _columns(redo & again, jnp.where(redo, cnt, zero), jnp.where(redo, first, zero), redo)
 
 
-def _vector(*scalars):
-    """The scalars as one (len,) int32 vector, by selects (a Triton kernel has no concatenation)."""
-    idx = jnp.arange(len(scalars))
-    out = jnp.zeros((len(scalars),), jnp.int32)
-    for q, v in enumerate(scalars):
-        out = jnp.where(idx == q, v, out)
+def _columns(*rows):
+    """(BM,) vectors as the columns of one (BM, len) int32 array, by selects (a Triton kernel has
+    no concatenation)."""
+    idx = jnp.arange(len(rows))[None, :]
+    out = jnp.zeros((_BM, len(rows)), jnp.int32)
+    for q, v in enumerate(rows):
+        out = jnp.where(idx == q, v.astype(jnp.int32)[:, None], out)
     return out
 
 
@@ -205,9 +208,9 @@ def _vector(*scalars):
 def _redo_call(
     a, b, flags, counts, c, mag, y, *, block_n, off, a_t, b_t, gate, fill, limit, lam, interpret=False
 ):
-    """``(y, stats)``: y with its detected rows' blocks recomputed, and per program (G, row tiles,
+    """``(y, stats)``: y with its detected rows' blocks recomputed, and per row and program (G, R,
     groups of blocks, 4) int32: blocks still failing, values the redo gated, the first pass's gated
-    count in the redone blocks, whether it redid anything."""
+    count in the redone blocks, blocks redone."""
     g, r, n = y.shape
     k = a.shape[1] if a_t else a.shape[2]
     nb = flags.shape[-1]
@@ -221,7 +224,7 @@ def _redo_call(
     grid = (g, pl.cdiv(r, _BM), pl.cdiv(nb, bpp))
     return pl.pallas_call(
         kern,
-        out_shape=(y, jax.ShapeDtypeStruct((*grid, _STATS), jnp.int32)),
+        out_shape=(y, jax.ShapeDtypeStruct((g, r, grid[2], _STATS), jnp.int32)),
         grid=grid,
         in_specs=[any_spec] * 7,
         out_specs=(any_spec, any_spec),
@@ -265,18 +268,16 @@ def redo_detected(
         block_n=block_n, off=int(block_offset), a_t=a_t, b_t=b_t, gate=gate, fill=float(fill), limit=lim,
         lam=float(lam),
     )  # fmt: skip
-    # Triton on a GPU; Pallas' interpreter elsewhere (a CPU: tests).
-    out, stats = lax.platform_dependent(
-        a,
-        b,
-        flags,
-        counts,
-        c,
-        mag,
-        out,
-        cuda=functools.partial(_redo_call, **kw),
-        default=functools.partial(_redo_call, **kw, interpret=True),
-    )
+
+    def call(*args):  # Triton on a GPU; Pallas' interpreter elsewhere (a CPU: tests)
+        return lax.platform_dependent(
+            *args,
+            cuda=functools.partial(_redo_call, **kw),
+            default=functools.partial(_redo_call, **kw, interpret=True),
+        )
+
+    # Each device redoes its own rows (``_redo_sharding``); on one device the plain call.
+    out, stats = partitioned(call, a_t, b_t)(a, b, flags, counts, c, mag, out)
     # A few bytes per program: every program wrote its stats (zeros where it redid nothing).
     total = jnp.sum(stats, axis=(1, 2), dtype=jnp.int32)  # (G, 4)
     still = jnp.sum(total[:, 0], dtype=jnp.int32)
