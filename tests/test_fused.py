@@ -5,15 +5,19 @@ same outputs, computed by XLA); the GPU tests check the kernel against that refe
 same fault scenarios through it.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TraceCounter
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
-from pimlayers.ops import _fused_gemm, _protected_matmul
+from pimlayers.ops import _fused_gemm, _fused_rows, _protected_matmul
 from pimlayers.ops._fused_check import fused_flags
 
 M, K, N = 256, 192, 512  # two row tiles, four 128-column blocks: the kernel's smallest multiples x2
@@ -276,3 +280,67 @@ def test_kernel_matches_reference_on_hopper(shape):
         _fused_gemm.fused_gemm(x[:100], w)
     with pytest.raises(TypeError, match="expected bfloat16"):
         _fused_gemm.fused_gemm(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("rows_each", [128, 64])
+def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each):
+    """x's rows split over 8 devices: each device's call sees its rows alone, y and the sums come
+    back split as x was, and a fault on one device's rows is redone by the device redo (itself
+    partitioned; the two-tile redo's gathers and slices are XLA's, which gathers y to every
+    device): nothing is gathered. Where a device's share does not tile (64 rows), XLA computes that
+    shard's y and sums instead."""
+    calls = {"kernel": [], "reference": []}
+
+    def recorded(name):
+        def call(a, b, config=None):
+            calls[name].append(a.shape)
+            return _fused_gemm.fused_gemm_reference(a, b, config)
+
+        return call
+
+    monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: recorded("kernel"))
+    monkeypatch.setattr(_fused_rows, "fused_gemm_reference", recorded("reference"))
+    m = rows_each * cpu_mesh.size
+    x, w = _xw(m=m)
+    clean = _plain(x, w)
+    row = 3 * rows_each + 5  # the fourth device's
+    sites = _sites([row], [_big(clean, row, 0, 128)], [30])
+    xs = jax.device_put(x, NamedSharding(cpu_mesh, P("d")))
+    ws = jax.device_put(w, NamedSharding(cpu_mesh, P()))
+    f = _pmm(FUSED.replace(recompute_kernel=True))
+    y, r = f(xs, ws, sites)
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 1, 0)
+    _assert_redone(y, clean)
+    assert y.sharding.spec[0] == "d"
+    hlo = f.lower(xs, ws, sites).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if re.search(r"= (bf16|f32)\[.*all-gather\(", line)]
+    assert gathers == []
+    # (The kernel is also traced once at the whole shape: the program one device would run.)
+    tiled = rows_each % 128 == 0
+    assert (rows_each, K) in calls["kernel" if tiled else "reference"]
+    assert (rows_each, K) not in calls["reference" if tiled else "kernel"]
+    assert set(calls["kernel"] + calls["reference"]) <= {(rows_each, K), (m, K)}
+    # Without the partitioning the call sees the whole x (here XLA's reference stands in for the
+    # kernel and XLA splits it; a GPU's kernel is one opaque call, for which XLA gathers x).
+    monkeypatch.setattr(_protected_matmul, "fused_rows", lambda kernel, a, b, cfg: kernel(a, b, cfg))
+    calls["kernel"].clear()
+    _pmm(FUSED.replace(recompute_kernel=True)).lower(xs, ws, sites).compile()
+    assert calls["kernel"] == [(m, K)]
+
+
+def test_under_vmap_each_gemm_is_checked_and_redone_alone(fused):
+    """vmap over two x with one w (the kernel vmapped whole): a fault in the second GEMM's batch
+    element is redone there; the first is untouched."""
+    x0, w = _xw()
+    x1, _ = _xw(seed=1)
+    xs = jnp.stack([x0, x1])
+    clean = jnp.stack([_plain(x0, w), _plain(x1, w)])
+    one = _sites([7], [_big(clean[1], 7, 0, 128)], [30])
+    sites = jax.tree.map(lambda v: jnp.stack([v, v]), one)
+    sites = sites._replace(active=jnp.asarray([[False], [True]]))
+    y, r = jax.jit(jax.vmap(lambda a, fl: ops.protected_matmul(a, w, policy=FUSED, faults=fl)))(xs, sites)
+    assert np.asarray(r.gemm_detected).tolist() == [0, 1]
+    assert np.asarray(r.gemm_uncorrectable).tolist() == [0, 0]
+    assert np.asarray(y[0]).tobytes() == np.asarray(clean[0]).tobytes()
+    _assert_redone(y[1], clean[1])

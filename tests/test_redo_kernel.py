@@ -13,7 +13,7 @@ from helpers import host_control_flow
 
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
-from pimlayers.ops import _fused_gemm, _protected_matmul
+from pimlayers.ops import _fused_gemm, _protected_matmul, _redo_kernel
 from pimlayers.ops._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums
 from pimlayers.ops._redo_kernel import redo_detected, redo_kernel_applies
 
@@ -152,6 +152,31 @@ def test_where_the_kernel_applies():
     assert not redo_kernel_applies(bf, bf, jnp.bfloat16, 100, 8, 8, 1000)  # no tile divides 100
     assert not redo_kernel_applies(bf, bf, jnp.bfloat16, 8, 8, 8, 1000)
     assert not redo_kernel_applies(bf, bf, jnp.bfloat16, None, 0, 8, 8)
+
+
+class _Device:
+    def __init__(self, platform, cc=None, version="cuda 13.0"):
+        self.platform, self.client = platform, type("Client", (), {"platform_version": version})()
+        if cc is not None:
+            self.compute_capability = cc
+
+
+@pytest.mark.parametrize(
+    ("device", "runs"),
+    [
+        (_Device("cpu"), True),  # the interpreter (tests)
+        (_Device("gpu", "9.0"), True),
+        (_Device("gpu", "8.0"), True),
+        (_Device("gpu", "7.5"), False),  # Triton's bf16 dots need sm_80
+        (_Device("gpu", None, "rocm 6.2"), False),
+        (_Device("tpu"), False),
+        (None, False),
+    ],
+)
+def test_where_no_device_runs_the_kernel_the_loop_recomputes(monkeypatch, device, runs):
+    monkeypatch.setattr(_redo_kernel, "_first_device", lambda: device)
+    bf = jnp.zeros((1, 1), jnp.bfloat16)
+    assert redo_kernel_applies(bf, bf, jnp.bfloat16, None, 8, 8, 100) is runs
 
 
 def _xw(m, k, n, seed=0, dtype=jnp.bfloat16):

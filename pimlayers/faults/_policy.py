@@ -68,21 +68,25 @@ class FaultPolicy:
     # 1.78-1.88) but the 4-layer Llama-3-8B-dims training step slower (419.0 against 410.3 ms, same
     # run, with the tile redo on every forward GEMM; docs/gpu-tests.md, 2026-12-01), and without
     # recompute, so without the redo, 123.7 against 118.7 ms unfused (2026-12-04). The kernel is
-    # chosen when the program is traced, by JAX's first device; tested in single-device programs
-    # only (not under vmap, GSPMD sharding, or a computation placed on the CPU of a GPU host).
+    # chosen when the program is traced, by JAX's first device. Over several devices each runs the
+    # kernel on its own rows of x (pimlayers/ops/_fused_rows.py), but the two-tile redo is XLA's
+    # gathers and slices, which XLA partitions by gathering y to every device: there set
+    # recompute_kernel too (then nothing is gathered; tested on 8 CPU devices with XLA standing in
+    # for the kernel). Not tested on a GPU under vmap, sharding, or for the CPU of a GPU host.
     fused: bool = False
     # Recompute what a check detected but could not locate with one device kernel (bf16 / f16
     # operands; pimlayers/ops/_redo_kernel.py): launched over every tile of the product, it computes
     # only the tiles holding a detected block and writes their detected rows in place. No branch,
     # so no host round trip per GEMM on a GPU, and no capacity (every detected block is redone); a
     # clean product costs a launch whose programs read their flags and exit. On a CPU it runs under
-    # Pallas' interpreter (slow: tests). f32 GEMMs, and blocks no power-of-two tile divides, keep
-    # the loop. Not the default until timed against the loop on a GPU. Over several devices each
-    # device redoes its own rows (pimlayers/ops/_redo_sharding.py); where the contraction is split
-    # (dw under data parallelism) the operands are gathered only under a branch taken on a
-    # detection, the loop's host round trip in that case. Tested under vmap, on one device and on 8
-    # CPU devices (data parallel, data + FSDP), not yet on several GPUs. With `fused` it replaces the
-    # fused path's two-tile redo.
+    # Pallas' interpreter (slow: tests). f32 GEMMs, blocks no power-of-two tile divides, and GPUs
+    # other than NVIDIA ones of compute capability 8.0 or newer keep the loop. Not the default
+    # until timed against the loop on a GPU. Over several devices each device redoes its own rows
+    # (pimlayers/ops/_redo_sharding.py); where the contraction is split (dw under data
+    # parallelism) the operands are gathered only under a branch taken on a detection, the loop's
+    # host round trip in that case. Tested under vmap, on one device and on 8 CPU devices (data
+    # parallel, data + FSDP), not yet on several GPUs. With `fused` it replaces the fused path's
+    # two-tile redo.
     recompute_kernel: bool = False
 
     def __post_init__(self) -> None:

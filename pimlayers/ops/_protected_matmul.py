@@ -55,6 +55,7 @@ from ._abft import (
 from ._common import check_float, first_true
 from ._fused_check import fused_flags, inject_fused, redo_tiles
 from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, hopper
+from ._fused_rows import fused_rows
 from ._gate import gate
 from ._redo_kernel import redo_detected, redo_kernel_applies
 
@@ -360,7 +361,8 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     for no redo's fixed-shape gathers and GEMM on every call.
     """
     k = a.shape[2]
-    y, sums = _fused_kernel()(a[0], b[0], _fused_config(k, b.shape[2]))
+    # Each device's rows of x (``_fused_rows``); on one device the plain call.
+    y, sums = fused_rows(_fused_kernel(), a[0], b[0], _fused_config(k, b.shape[2]))
     y, sums = inject_fused(y, sums, faults)
     c, mag = abft_checks(a, enc)
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)

@@ -83,14 +83,38 @@ def _tiling(block_n: int | None, n: int) -> tuple[int, int, int]:
 
 def redo_kernel_applies(a, b, out_dtype, block_n: int | None, r: int, k: int, n: int) -> bool:
     """Whether :func:`redo_detected` takes this GEMM: bf16 or f16 operands of one dtype, a bf16, f16
-    or f32 product, a non-empty shape, and whole-row blocks or blocks a power-of-two tile divides."""
+    or f32 product, a non-empty shape, whole-row blocks or blocks a power-of-two tile divides, and a
+    device that runs the kernel (:func:`_device_runs_it`)."""
     if a.dtype != b.dtype or a.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return False
     if min(r, k, n) <= 0:
         return False
-    return _tiling(block_n, n)[1] is not None
+    return _tiling(block_n, n)[1] is not None and _device_runs_it()
+
+
+def _first_device():
+    """JAX's first device, or None where there is none."""
+    try:
+        return jax.devices()[0]
+    except RuntimeError:
+        return None
+
+
+def _device_runs_it() -> bool:
+    """Whether the kernel runs where JAX's first device is: an NVIDIA GPU of compute capability 8.0 or
+    newer (Triton's bf16 / f16 dots), or a CPU (under Pallas' interpreter). Elsewhere (an older or
+    a ROCm GPU, where the interpreter would stand in on the device) the loop recomputes."""
+    d = _first_device()
+    if d is None or d.platform == "cpu":
+        return d is not None
+    if d.platform not in ("gpu", "cuda") or "rocm" in str(getattr(d.client, "platform_version", "")).lower():
+        return False
+    try:
+        return float(str(getattr(d, "compute_capability", "0"))) >= 8.0
+    except ValueError:
+        return False
 
 
 def _kernel(a_ref, b_ref, flags_ref, counts_ref, c_ref, mag_ref, y_in_ref, y_ref, stats_ref, *, r, **kw):
