@@ -1,6 +1,7 @@
 """Row-parallel native calls: with tokens sharded over devices, each device checks its own rows
 (the compiled program's native calls see M / devices rows and no all-gather feeds them), with
-results equal to the unsharded run's; vmap adds a row axis."""
+results equal to the unsharded run's; vmap adds a row axis. A GEMM's counts are summed per device
+and added by one all-reduce."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pimlayers import ops
+from pimlayers.ops._abft import ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED
+from pimlayers.ops._protected_matmul import _tally, _tally_local
 
 
 def _native_calls(hlo: str, target: str) -> list[str]:
@@ -79,3 +82,25 @@ def test_vmap_adds_a_row_axis():
     expected[2, 4, 0] = 1  # the one corrupted value, located and rebuilt
     np.testing.assert_array_equal(np.asarray(flags), expected)
     np.testing.assert_allclose(np.asarray(out), np.asarray(prod), rtol=1e-5, atol=1e-4)
+
+
+def test_a_gemms_counts_are_added_over_devices_by_one_all_reduce(cpu_mesh):
+    """``_tally`` (per GEMM: corrected, pending, flagged blocks, gated values) with the rows split:
+    each device sums its own rows and one all-reduce adds them. XLA's own partitioning of that
+    variadic reduction gathered every device's partial sums, one all-gather per count."""
+    rng = np.random.default_rng(0)
+    states = np.array([ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED], np.int32)
+    flags = jnp.asarray(rng.choice(states, size=(2, 8 * cpu_mesh.size, 5), p=[0.8, 0.1, 0.1]))
+    counts = jnp.asarray(rng.integers(0, 3, flags.shape), jnp.int32)
+    rows = NamedSharding(cpu_mesh, P(None, "d"))
+    args = jax.device_put((flags, counts), rows)
+    want = [np.asarray(v) for v in _tally_local(flags, counts)]
+    assert [np.asarray(v).tolist() for v in jax.jit(_tally)(*args)] == [w.tolist() for w in want]
+    assert want[1].sum() > 0 and want[3].sum() > 0  # something to count in each
+    hlo = jax.jit(_tally).lower(*args).compile().as_text()
+    assert "all-gather" not in hlo and hlo.count(" all-reduce(") == 1
+    plain = jax.jit(_tally_local).lower(*args).compile().as_text()
+    assert "all-gather" in plain  # XLA's way: the property above could fail
+    # Under vmap (an axis folded into G) the same counts.
+    got = jax.jit(jax.vmap(_tally))(flags[:, None], counts[:, None])
+    assert [np.asarray(v)[:, 0].tolist() for v in got] == [w.tolist() for w in want]

@@ -126,13 +126,22 @@ class Linear(_Protected):
         """Re-pack the kernel for the "pim" backend (encode on write: after every kernel update)."""
         self.pim.set_value(pim_pack(self.kernel[...], self.pim_banks))
 
-    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding=None, *, kernel_sharding=None) -> jax.Array:
+        """``kernel_sharding`` (a ``jax.sharding.Sharding``, or None to leave it to XLA): the kernel
+        pinned to it where it is multiplied (``with_sharding_constraint``; its gradient flows back
+        as usual). Replicated, each device multiplies its own rows by the whole kernel, as FSDP
+        gathers a weight, and the check reads whole rows of its own tokens: a kernel split over
+        its outputs would otherwise have XLA split the product's columns and gather every row to
+        every device for the check."""
         _no_out_sharding(out_sharding)
+        kernel = self.kernel[...]
+        if kernel_sharding is not None:
+            kernel = jax.lax.with_sharding_constraint(kernel, kernel_sharding)
         bias = None if self.bias is None else self.bias[...]
         pim = self.pim.get_value() if self.backend == "pim" else None
         bank_ok = self.bank_ok[...] if self.backend == "pim" else None
         y, report = L.linear(
-            inputs, self.kernel[...], bias, policy=self.policy, dtype=self.dtype, precision=self.precision,
+            inputs, kernel, bias, policy=self.policy, dtype=self.dtype, precision=self.precision,
             faults=self.fault_sites.get_value(), tap=self.fault_tap[...], name="pimlayers.flax.nnx.Linear",
             backend=self.backend, pim=pim, bank_ok=bank_ok,
         )  # fmt: skip

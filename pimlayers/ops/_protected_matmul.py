@@ -58,6 +58,7 @@ from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, ho
 from ._fused_rows import fused_rows
 from ._gate import gate
 from ._redo_kernel import redo_detected, redo_kernel_applies
+from ._rows import row_sums
 
 __all__ = [
     "TRANSPOSED_CHECKSUMS",
@@ -294,7 +295,13 @@ def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tup
     """Per GEMM: blocks corrected in place, blocks pending (detected, not located), blocks flagged
     at all, values gated. One variadic reduction reads flags and counts once; as four sums XLA
     made several small kernels per protected GEMM on a GPU (~0.65 ms over a 4-layer step's 84
-    products on an H200, plus a launch gap each)."""
+    products on an H200, plus a launch gap each). Over several devices each sums its own rows and
+    one all-reduce adds them (``_rows.row_sums``)."""
+    return row_sums(_tally_local)(flags, counts)
+
+
+def _tally_local(flags, counts):
+    """``_tally`` of the rows at hand (one device's, where they are split: ``row_sums`` adds them)."""
     i32 = lambda t: t.astype(jnp.int32)
     parts = (i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts)
     zero = jnp.int32(0)

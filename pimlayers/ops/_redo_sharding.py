@@ -35,6 +35,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._abft import ABFT_DETECTED
+from ._rows import axes_of
 
 __all__ = ["partitioned"]
 
@@ -53,8 +54,8 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
         """(operand specs, result specs, the mesh axes that split K, those that split R)."""
         g_s, r_s = _spec(arg_shapes[_Y].sharding, 3)[:2]
         k_s = _spec(arg_shapes[_A].sharding, 3)[k_a]
-        taken = set(_axes(g_s)) | (set() if a_t else set(_axes(r_s)))
-        if set(_axes(k_s)) & taken:
+        taken = set(axes_of(g_s)) | (set() if a_t else set(axes_of(r_s)))
+        if set(axes_of(k_s)) & taken:
             k_s = None  # an axis cannot split two of a's dimensions: K is gathered (by XLA)
         rows = lambda t: PartitionSpec(g_s, r_s, *(None,) * t)
         a = [g_s, r_s, None]
@@ -65,7 +66,7 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
         b[k_b] = k_s
         ins = (PartitionSpec(*a), PartitionSpec(*b), rows(1), rows(1), rows(2), rows(1), rows(1))
         outs = (rows(1), rows(2))
-        return ins, outs, _axes(k_s), _axes(r_s)
+        return ins, outs, axes_of(k_s), axes_of(r_s)
 
     def partition(mesh, arg_shapes, result_shape):
         ins, outs, k_axes, r_axes = specs(mesh, arg_shapes)
@@ -129,10 +130,3 @@ def _spec(sharding, ndim: int) -> tuple:
     """A NamedSharding's spec padded to ``ndim`` entries (replicated for anything else)."""
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     return (spec + (None,) * ndim)[:ndim]
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one spec entry (None, a name, or a tuple of names)."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
