@@ -65,6 +65,28 @@ def test_nnx_linear_matches_stock(dtype):
         _close(g1["bias"][...], g0["bias"][...], dtype)
 
 
+def test_nnx_linear_multiplies_by_the_kernel_as_pinned(cpu_mesh):
+    """``kernel_sharding``: the kernel (split over its outputs here, as FSDP splits a wide one) is
+    pinned whole where it is multiplied, so each device checks its own rows: the program gathers
+    the kernel and nothing of x or the product, with the stock layer's outputs and gradients."""
+    n_dev = cpu_mesh.size
+    stock = nnx.Linear(24, 8 * n_dev, rngs=nnx.Rngs(0))
+    ours = pnnx.Linear(24, 8 * n_dev, policy=pl.FaultPolicy(block_n=8), rngs=nnx.Rngs(0))
+    split = jax.sharding.NamedSharding(cpu_mesh, jax.sharding.PartitionSpec(None, "d"))
+    ours.kernel.set_value(jax.device_put(ours.kernel[...], split))
+    rows = jax.sharding.NamedSharding(cpu_mesh, jax.sharding.PartitionSpec("d"))
+    x = jax.device_put(_x((4 * n_dev, 24)), rows)
+    whole = jax.sharding.NamedSharding(cpu_mesh, jax.sharding.PartitionSpec())
+    loss = lambda m, x, **kw: jnp.sum(jnp.sin(m(x, **kw)))
+    f = nnx.jit(nnx.value_and_grad(lambda m, x: loss(m, x, kernel_sharding=whole)))
+    (v, g), (v0, g0) = f(ours, x), nnx.jit(nnx.value_and_grad(loss))(stock, x)
+    _close(v, v0, jnp.float32)
+    _close(g["kernel"][...], g0["kernel"][...], jnp.float32)
+    hlo = f.lower(ours, x).compile().as_text()
+    gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines() if " all-gather(" in line]
+    assert gathered and all(t.startswith(f"f32[24,{8 * n_dev}]") for t in gathered), gathered
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_linen_dense_matches_stock(dtype):
     x = _x((4, 24), dtype)

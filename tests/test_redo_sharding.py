@@ -159,17 +159,17 @@ def test_fsdp_splits_the_weight_gradient_rows_and_its_contraction_over_one_axis(
     redo another device's rows and leave the faulty block wrong."""
     seen = []
 
-    def spy(sharding, ndim):
-        seen.append(spec(sharding, ndim))
+    def spy(sharding, lead):
+        seen.append(spec(sharding, lead))
         return seen[-1]
 
-    spec = _redo_sharding._spec
-    monkeypatch.setattr(_redo_sharding, "_spec", spy)
+    spec = _redo_sharding.lead_spec
+    monkeypatch.setattr(_redo_sharding, "lead_spec", spy)
     x, w = _xw(256, 64, 256, seed=2)
     xs = NamedSharding(fsdp_mesh, P(("data", "fsdp")))
     ws = NamedSharding(fsdp_mesh, P("fsdp", None))
     faults = _backward_faults(x, w)
     gx, gw, rep, _ = _run(POLICY, x, w, faults, xs, ws)
-    assert (None, "fsdp", None) in seen  # the partitioner saw dw's rows split
+    assert (None, "fsdp") in seen  # the partitioner saw dw's rows split
     assert tuple(rep[c] for c in COUNTS) == (2, 2, 2, 0)
     _same_but_the_redone_blocks(POLICY, x, w, faults, xs, ws, (gx, gw))

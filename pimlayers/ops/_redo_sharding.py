@@ -35,7 +35,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._abft import ABFT_DETECTED
-from ._rows import axes_of
+from ._rows import axes_of, fold_vmap, lead_spec, unfold_vmap
 
 __all__ = ["partitioned"]
 
@@ -52,8 +52,8 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
 
     def specs(mesh, arg_shapes):
         """(operand specs, result specs, the mesh axes that split K, those that split R)."""
-        g_s, r_s = _spec(arg_shapes[_Y].sharding, 3)[:2]
-        k_s = _spec(arg_shapes[_A].sharding, 3)[k_a]
+        g_s, r_s = lead_spec(arg_shapes[_Y].sharding, 2)
+        k_s = lead_spec(arg_shapes[_A].sharding, 3)[k_a]
         taken = set(axes_of(g_s)) | (set() if a_t else set(axes_of(r_s)))
         if set(axes_of(k_s)) & taken:
             k_s = None  # an axis cannot split two of a's dimensions: K is gathered (by XLA)
@@ -95,7 +95,7 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
         return mesh, split_k, named(outs), named(ins)
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (Shardy reads the rule below)
-        g_s, r_s = _spec(arg_shapes[_Y].sharding, 3)[:2]
+        g_s, r_s = lead_spec(arg_shapes[_Y].sharding, 2)
         return tuple(NamedSharding(mesh, PartitionSpec(g_s, r_s)) for _ in range(2))
 
     # Shardy: G and R shared by the product, its checks and a; K by a and b; everything else whole.
@@ -113,20 +113,8 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
     batched = jax.custom_batching.custom_vmap(wrapped)
 
     @batched.def_vmap
-    def _vmap(axis_size, in_batched, *args):
-        # The vmapped axis joins G (every operand has G first): unbatched operands broadcast.
-        args = [
-            a if bt else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, bt in zip(args, in_batched, strict=True)
-        ]
-        y, stats = batched(*(a.reshape(-1, *a.shape[2:]) for a in args))
-        out = (y.reshape(axis_size, -1, *y.shape[1:]), stats.reshape(axis_size, -1, *stats.shape[1:]))
-        return out, (True, True)
+    def _vmap(axis_size, in_batched, *args):  # the vmapped axis joins G (every operand has G first)
+        out = batched(*fold_vmap(axis_size, in_batched, args))
+        return tuple(unfold_vmap(axis_size, v) for v in out), (True, True)
 
     return batched
-
-
-def _spec(sharding, ndim: int) -> tuple:
-    """A NamedSharding's spec padded to ``ndim`` entries (replicated for anything else)."""
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    return (spec + (None,) * ndim)[:ndim]

@@ -11,6 +11,9 @@ rows, ``*m`` in the ops' signatures) keep whatever sharding they arrive with, th
 (a row's columns, its blocks) stay whole on each device, and each device runs the native call on
 its own rows. On one device, and inside a ``shard_map`` that is manual over every mesh axis, it
 lowers to the plain call. ``vmap`` adds a leading row axis (the ops' ``broadcast_all`` rule).
+
+:func:`row_sums` does the same for a reduction over a GEMM's rows (its counts): each device sums
+its own rows and one all-reduce adds the sums.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["row_parallel", "row_sums"]
+__all__ = ["axes_of", "fold_vmap", "lead_spec", "row_parallel", "row_sums", "unfold_vmap"]
 
 
 def row_parallel(fn: Callable[..., Any], trailing_in: Sequence[int], trailing_out: Sequence[int]):
@@ -74,7 +77,7 @@ def _partitioned(fn, lead: int, leads: tuple[int, ...], trailing_in: tuple[int, 
     def like_first(mesh, arg_shapes, leads_of, trailing: tuple[int, ...]):
         # The first operand's row sharding, for each operand/result its own leading axes of it;
         # their own axes whole.
-        spec = _lead_spec(arg_shapes[0].sharding, lead)
+        spec = lead_spec(arg_shapes[0].sharding, lead)
         return tuple(
             NamedSharding(mesh, PartitionSpec(*spec[:n], *(None,) * t))
             for n, t in zip(leads_of, trailing, strict=True)
@@ -112,7 +115,7 @@ def _partitioned(fn, lead: int, leads: tuple[int, ...], trailing_in: tuple[int, 
     return wrapped
 
 
-def _lead_spec(sharding, lead: int) -> tuple:
+def lead_spec(sharding, lead: int) -> tuple:
     """The first ``lead`` entries of a NamedSharding's spec (replicated for anything else)."""
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     spec = spec + (None,) * max(0, lead - len(spec))
@@ -131,7 +134,7 @@ def row_sums(fn: Callable[..., tuple]):
     """
 
     def specs(mesh, arg_shapes):
-        g_s, r_s = _lead_spec(arg_shapes[0].sharding, 2)
+        g_s, r_s = lead_spec(arg_shapes[0].sharding, 2)
         ins = tuple(NamedSharding(mesh, PartitionSpec(g_s, r_s, *(None,) * (a.ndim - 2))) for a in arg_shapes)
         return ins, NamedSharding(mesh, PartitionSpec(g_s)), axes_of(r_s)
 
@@ -166,13 +169,8 @@ def row_sums(fn: Callable[..., tuple]):
 
     @batched.def_vmap
     def _vmap(axis_size, in_batched, *args):
-        # The vmapped axis joins G: unbatched operands broadcast to it.
-        args = [
-            a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, b in zip(args, in_batched, strict=True)
-        ]
-        out = batched(*(a.reshape(-1, *a.shape[2:]) for a in args))
-        return tuple(v.reshape(axis_size, -1) for v in out), tuple(True for _ in out)
+        out = batched(*fold_vmap(axis_size, in_batched, args))
+        return tuple(unfold_vmap(axis_size, v) for v in out), tuple(True for _ in out)
 
     return batched
 
@@ -182,3 +180,18 @@ def axes_of(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def fold_vmap(axis_size: int, in_batched, args) -> list:
+    """A ``custom_vmap`` rule's operands with the vmapped axis folded into their leading axis (G):
+    (axis_size, G, ...) -> (axis_size·G, ...), unbatched operands broadcast to the axis first."""
+    out = []
+    for a, batched in zip(args, in_batched, strict=True):
+        a = a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+        out.append(a.reshape(-1, *a.shape[2:]))
+    return out
+
+
+def unfold_vmap(axis_size: int, v: jax.Array) -> jax.Array:
+    """A result of the folded call back to (axis_size, G, ...)."""
+    return v.reshape(axis_size, -1, *v.shape[1:])
