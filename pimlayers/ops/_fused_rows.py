@@ -16,10 +16,10 @@ import math
 from collections.abc import Callable
 
 import jax
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._fused_gemm import FusedConfig, fused_gemm_reference, fused_gemm_supported
+from ._rows import axes_of, custom_partitioned, lead_spec
 
 __all__ = ["fused_rows"]
 
@@ -31,12 +31,10 @@ def fused_rows(kernel: Callable, a, b, config: FusedConfig):
         return kernel(a, b, config)
 
     def split(mesh, arg_shapes):
-        spec = arg_shapes[0].sharding.spec if isinstance(arg_shapes[0].sharding, NamedSharding) else ()
-        m_s = spec[0] if spec else None
+        (m_s,) = lead_spec(arg_shapes[0].sharding, 1)
         ins = (PartitionSpec(m_s, None), PartitionSpec(None, None))
         outs = (PartitionSpec(m_s, None), PartitionSpec(None, None, m_s))
-        axes = () if m_s is None else (m_s if isinstance(m_s, tuple) else (m_s,))
-        return ins, outs, math.prod(mesh.shape[ax] for ax in axes)
+        return ins, outs, math.prod(mesh.shape[ax] for ax in axes_of(m_s))
 
     def partition(mesh, arg_shapes, result_shape):
         ins, outs, parts = split(mesh, arg_shapes)
@@ -49,14 +47,7 @@ def fused_rows(kernel: Callable, a, b, config: FusedConfig):
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (Shardy reads the rule below)
         return tuple(NamedSharding(mesh, s) for s in split(mesh, arg_shapes)[1])
 
-    wrapped = custom_partitioning(fn)
-    wrapped.def_partition(
-        partition,
-        infer_sharding_from_operands=infer,
-        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-        sharding_rule="m k, k n -> m n, t b m",
-        need_replication_factors=("k", "n", "t", "b"),
-    )
+    wrapped = custom_partitioned(fn, partition, infer, "m k, k n -> m n, t b m", ("k", "n", "t", "b"))
     batched = jax.custom_batching.custom_vmap(wrapped)
 
     @batched.def_vmap

@@ -22,10 +22,10 @@ against the GEMM's own checks (c, mag, read in place) by the fused GEMM's test
 four counts per row of its tile (blocks still failing, values gated, the first pass's gated count
 there, blocks redone), zeros on a clean product, whose programs exit after reading their flags: one
 launch, a few KiB per program, and XLA sums the counts. Counts per row, not per program, so that
-on several devices each device's rows carry their own (``_redo_sharding``). Every detected block is redone
-(no capacity); a redone block that fails again is reported uncorrectable, never silent. Unlike the
-loop's second pass nothing is located in the recompute (a second fault in the same block's
-recompute) and margins are not recorded for it.
+on several devices each device's rows carry their own (``_redo_sharding``). Every detected block
+is redone (no capacity); a redone block that fails again is reported uncorrectable, never silent.
+Unlike the loop's second pass nothing is located in the recompute (a second fault in the same
+block's recompute) and margins are not recorded for it.
 
 Opt-in (``FaultPolicy(recompute_kernel=True)``) until timed against the loop on a GPU; bf16 and f16
 operands (an f32 GEMM keeps the loop: Triton's f32 dot would need its slow IEEE mode to stay inside

@@ -31,11 +31,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._abft import ABFT_DETECTED
-from ._rows import axes_of, fold_vmap, lead_spec, unfold_vmap
+from ._rows import axes_of, custom_partitioned, fold_vmap, lead_spec, unfold_vmap
 
 __all__ = ["partitioned"]
 
@@ -102,14 +101,7 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
     a_rule = "g k r" if a_t else "g r k"
     b_rule = "g n k" if b_t else "g k n"
     rule = f"{a_rule}, {b_rule}, g r p, g r p, g r q t, g r q, g r n -> g r n, g r u v"
-    wrapped = custom_partitioning(fn)
-    wrapped.def_partition(
-        partition,
-        infer_sharding_from_operands=infer,
-        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-        sharding_rule=rule,
-        need_replication_factors=("n", "p", "q", "t", "u", "v"),
-    )
+    wrapped = custom_partitioned(fn, partition, infer, rule, ("n", "p", "q", "t", "u", "v"))
     batched = jax.custom_batching.custom_vmap(wrapped)
 
     @batched.def_vmap

@@ -28,7 +28,15 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["axes_of", "fold_vmap", "lead_spec", "row_parallel", "row_sums", "unfold_vmap"]
+__all__ = [
+    "axes_of",
+    "custom_partitioned",
+    "fold_vmap",
+    "lead_spec",
+    "row_parallel",
+    "row_sums",
+    "unfold_vmap",
+]
 
 
 def row_parallel(fn: Callable[..., Any], trailing_in: Sequence[int], trailing_out: Sequence[int]):
@@ -104,15 +112,7 @@ def _partitioned(fn, lead: int, leads: tuple[int, ...], trailing_in: tuple[int, 
 
     ins = ", ".join(operand(n, t) for n, t in zip(leads, trailing_in, strict=True))
     outs = ", ".join(operand(lead, t) for t in trailing_out)
-    wrapped = custom_partitioning(fn)
-    wrapped.def_partition(
-        partition,
-        infer_sharding_from_operands=infer,
-        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-        sharding_rule=f"{ins} -> {outs}",
-        need_replication_factors=tuple(own),
-    )
-    return wrapped
+    return custom_partitioned(fn, partition, infer, f"{ins} -> {outs}", own)
 
 
 def lead_spec(sharding, lead: int) -> tuple:
@@ -151,19 +151,11 @@ def row_sums(fn: Callable[..., tuple]):
         return tuple(specs(mesh, arg_shapes)[1] for _ in result_shape)
 
     def call(*args):
-        wrapped = custom_partitioning(fn)
         trailing = [f"f{i}" for i in range(sum(a.ndim - 2 for a in args))]
         it = iter(trailing)
         ins = ", ".join(" ".join(["g", "r", *(next(it) for _ in range(a.ndim - 2))]) for a in args)
-        n_out = len(jax.eval_shape(fn, *args))
-        wrapped.def_partition(
-            partition,
-            infer_sharding_from_operands=infer,
-            propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-            sharding_rule=f"{ins} -> {', '.join('g' for _ in range(n_out))}",
-            need_replication_factors=tuple(trailing),
-        )
-        return wrapped(*args)
+        outs = ", ".join("g" for _ in jax.eval_shape(fn, *args))
+        return custom_partitioned(fn, partition, infer, f"{ins} -> {outs}", trailing)(*args)
 
     batched = jax.custom_batching.custom_vmap(call)
 
@@ -195,3 +187,18 @@ def fold_vmap(axis_size: int, in_batched, args) -> list:
 def unfold_vmap(axis_size: int, v: jax.Array) -> jax.Array:
     """A result of the folded call back to (axis_size, G, ...)."""
     return v.reshape(axis_size, -1, *v.shape[1:])
+
+
+def custom_partitioned(fn: Callable, partition: Callable, infer: Callable, rule: str, whole: Sequence[str]):
+    """``custom_partitioning(fn)`` with its ``partition`` callback, GSPMD's ``infer`` and Shardy's
+    sharding ``rule``, whose factors ``whole`` stay whole on each device; a user's sharding of the
+    results is taken as it is."""
+    wrapped = custom_partitioning(fn)
+    wrapped.def_partition(
+        partition,
+        infer_sharding_from_operands=infer,
+        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+        sharding_rule=rule,
+        need_replication_factors=tuple(whole),
+    )
+    return wrapped
