@@ -273,16 +273,16 @@ class Llama3(nnx.Module):
             x = pin(x)
             new_cache.append(c)
         x = self.norm(x)
-        # The protected head's check reads whole rows of the logits (its blocks span the
-        # vocabulary). With the batch split over devices and the head's weight split by FSDP over
+        # The protected head's check (and its gate) reads whole rows of the logits (its blocks span
+        # the vocabulary). With the batch split over devices and the head's weight split by FSDP over
         # the vocabulary, XLA would split the head GEMM by the vocabulary and then gather every
         # device's logits to every device for the check (at Llama-3-8B dimensions 2 GB of bf16 per
         # device per step, x and the weight gathered too, the check run on all tokens everywhere).
         # The weight is pinned whole where it is used instead: each device multiplies its own
-        # tokens by it, as FSDP does for every other layer, and checks its own rows. Unprotected,
-        # nothing reads whole rows and XLA's split of the vocabulary moves fewer bytes.
+        # tokens by it, as FSDP does for every other layer, and checks its own rows. Stock (no check,
+        # no gate), nothing reads whole rows and XLA's split of the vocabulary moves fewer bytes.
         s = self.activation_sharding
-        pinned = isinstance(s, NamedSharding) and self.policy.enabled
+        pinned = isinstance(s, NamedSharding) and (self.policy.enabled or self.policy.gate)
         whole = NamedSharding(s.mesh, PartitionSpec()) if pinned else None
         if self.lm_head is None:
             emb = self.embed_tokens.embedding[...]

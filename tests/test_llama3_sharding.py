@@ -27,11 +27,14 @@ def mesh():
     return jax.make_mesh((1, len(devices)), ("data", "fsdp"), devices=devices, axis_types=auto)
 
 
-def _step(mesh, tied: bool):
+CHECKED = FaultPolicy(block_n=128)
+
+
+def _step(mesh, tied: bool, policy: FaultPolicy = CHECKED):
     """The loss and its gradient of a protected tiny Llama-3, parameters split as the training
     script splits them (FSDP: each leaf's largest dimension), the batch over every device."""
     cfg = CONFIGS["llama3_tiny"].replace(tie_embeddings=tied)
-    model = Llama3(cfg, policy=FaultPolicy(block_n=128), rngs=nnx.Rngs(0))
+    model = Llama3(cfg, policy=policy, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     fsdp = mesh.shape["fsdp"]
     params = jax.device_put(params, jax.tree.map(lambda x: NamedSharding(mesh, _spec(x.shape, fsdp)), params))
@@ -52,9 +55,12 @@ def _step(mesh, tied: bool):
     return step, (params, rest), jax.device_put(toks, batch), toks, cfg.vocab_size
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_the_heads_check_reads_each_devices_own_tokens(mesh, tied):
-    step, state, toks, whole, vocab = _step(mesh, tied)
+@pytest.mark.parametrize(
+    ("tied", "policy"),
+    [(False, CHECKED), (True, CHECKED), (False, FaultPolicy(mode="off", gate=True))],  # gate: rows too
+)
+def test_the_heads_check_reads_each_devices_own_tokens(mesh, tied, policy):
+    step, state, toks, whole, vocab = _step(mesh, tied, policy)
     hlo = step.lower(*state, toks, True).compile().as_text()
     rows = B * T  # the head's rows, flattened
     gathered = [t for t, _ in _gathers(hlo)]
