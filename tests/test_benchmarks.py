@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -71,22 +72,27 @@ def test_dispatch_suite_times_each_call_against_the_plain_gemm():
 def test_time_pair_warms_both_for_its_warmup_time_then_alternates():
     from benchmarks._harness import time_pair
 
-    calls = []
+    calls, stamps = [], []
 
     def fn(name):
         def call(x):
             calls.append(name)
+            stamps.append(time.perf_counter())
             return x + 1
 
         return call
 
     x = jnp.ones(3)
+    fn("a")(x), fn("b")(x)  # compiled before: the warm-up's calls take microseconds each
+    calls.clear(), stamps.clear()
     ta, tb, ratio = time_pair(fn("a"), (x,), fn("b"), (x,), iters=2, repeats=3, warmup_s=0.05)
     warm = len(calls) - 2 * 2 * 3  # the timed rounds made 2 calls of each per round
     assert warm >= 2 * 3 and warm % 2 == 0 and calls[:warm] == ["a", "b"] * (warm // 2)
     assert ta > 0 and tb > 0 and ratio > 0
-    # 50 ms of a microsecond call is far more than the three calls of the count alone.
-    assert warm > 2 * 30
+    # The timed rounds began only once the warm-up had run for its 50 ms (by the clock, not by a
+    # count of calls, which a loaded machine can make as few as the minimum), less the moment
+    # between its start and the first call's stamp. Three rounds alone would take microseconds.
+    assert stamps[warm] - stamps[0] >= 0.04
 
 
 def test_cpu_kernels_suite_times_each_cap_and_restores_the_environment(monkeypatch):
