@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
-from helpers import TraceCounter
+from helpers import TraceCounter, all_gathers
 
 import pimlayers as pl
 from pimlayers import layers as L
@@ -83,8 +83,8 @@ def test_nnx_linear_multiplies_by_the_kernel_as_pinned(cpu_mesh):
     _close(v, v0, jnp.float32)
     _close(g["kernel"][...], g0["kernel"][...], jnp.float32)
     hlo = f.lower(ours, x).compile().as_text()
-    gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines() if " all-gather(" in line]
-    assert gathered and all(t.startswith(f"f32[24,{8 * n_dev}]") for t in gathered), gathered
+    gathered = [t for t, _ in all_gathers(hlo)]
+    assert gathered and all(t == f"f32[24,{8 * n_dev}]" for t in gathered), gathered
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

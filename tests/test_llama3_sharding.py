@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_redo_sharding import _gathers
 
 from models.llama3 import CONFIGS, Llama3
 from pimlayers.faults import FaultPolicy
@@ -63,7 +63,7 @@ def test_the_heads_check_reads_each_devices_own_tokens(mesh, tied, policy):
     step, state, toks, whole, vocab = _step(mesh, tied, policy)
     hlo = step.lower(*state, toks, True).compile().as_text()
     rows = B * T  # the head's rows, flattened
-    gathered = [t for t, _ in _gathers(hlo)]
+    gathered = [t for t, _ in all_gathers(hlo)]
 
     def dims(t):
         return tuple(int(d) for d in t[t.index("[") + 1 : -1].split(",") if d)
@@ -87,5 +87,5 @@ def test_unpinned_the_protected_head_gathers_the_logits(mesh, monkeypatch):
     call = pnnx.Linear.__call__
     monkeypatch.setattr(pnnx.Linear, "__call__", lambda self, x, out_sharding=None, **kw: call(self, x))
     step, state, toks, _, vocab = _step(mesh, False)
-    gathered = [t for t, _ in _gathers(step.lower(*state, toks, True).compile().as_text())]
+    gathered = [t for t, _ in all_gathers(step.lower(*state, toks, True).compile().as_text())]
     assert any(f"{B * T},{vocab}]" in t for t in gathered), gathered

@@ -4,12 +4,11 @@ the branch that runs when a block was detected. On 8 CPU devices (the kernel int
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_redo_kernel import KERNEL, _close, _two_in_a_block, _xw
@@ -20,41 +19,6 @@ from pimlayers.ops import _redo_kernel, _redo_sharding
 
 POLICY = KERNEL.replace(block_n=32)
 COUNTS = ("gemm_detected", "gemm_corrected", "gemm_recomputed", "gemm_uncorrectable")
-
-
-def _gathers(hlo: str) -> list[tuple[str, bool]]:
-    """Every all-gather of a compiled program: (its result type, whether it runs only inside a
-    conditional's branch, directly or in a computation a branch calls)."""
-    comps: dict[str, list[str]] = {}
-    cur = None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            cur = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            comps[cur] = []
-        elif cur is not None:
-            comps[cur].append(line)
-    name = r"%([\w.\-]+)"
-    calls = r"(?:calls|to_apply|body|condition|true_computation|false_computation)=" + name
-    callees, branches = {}, set()
-    for c, lines in comps.items():
-        text = "\n".join(lines)
-        groups = re.findall(r"branch_computations=\{([^}]*)\}", text)
-        in_branch = {n for grp in groups for n in re.findall(name, grp)}
-        in_branch |= set(re.findall(r"(?:true|false)_computation=" + name, text))
-        branches |= in_branch
-        callees[c] = set(re.findall(calls, text)) | in_branch
-    reach, todo = set(), list(branches)
-    while todo:
-        c = todo.pop()
-        if c not in reach:
-            reach.add(c)
-            todo.extend(callees.get(c, ()))
-    return [
-        (re.search(r"= (\w+\[[\d,]*\])", line).group(1), c in reach)
-        for c, lines in comps.items()
-        for line in lines
-        if re.search(r" all-gather(-start)?\(", line)
-    ]
 
 
 def _floating(gathers):
@@ -77,11 +41,11 @@ def test_each_device_redoes_its_own_rows(cpu_mesh, monkeypatch):
     _close(y, clean)
     assert y.sharding.spec[0] == "d"
     # Nothing of x, the product or its checks is gathered: every device ran the kernel on its rows.
-    assert _floating(_gathers(f.lower(xs, ws, faults).compile().as_text())) == []
+    assert _floating(all_gathers(f.lower(xs, ws, faults).compile().as_text())) == []
     # Without the partitioning XLA gathers the kernel's operands to every device.
     monkeypatch.setattr(_redo_kernel, "partitioned", lambda fn, a_t, b_t: fn)
     f = _forward(POLICY)
-    assert _floating(_gathers(f.lower(xs, ws, faults).compile().as_text())) != []
+    assert _floating(all_gathers(f.lower(xs, ws, faults).compile().as_text())) != []
 
 
 def _grads(policy):
@@ -140,7 +104,7 @@ def test_a_weight_gradient_gathers_its_split_contraction_only_under_a_branch(cpu
     assert tuple(rep[c] for c in COUNTS) == (2, 2, 2, 0)
     loop = _same_but_the_redone_blocks(POLICY, x, w, faults, xs, ws, (gx, gw))
     assert tuple(loop[c] for c in COUNTS) == (2, 2, 2, 0)
-    gathers = _floating(_gathers(hlo))
+    gathers = _floating(all_gathers(hlo))
     assert len(gathers) >= 2 and all(in_branch for _, in_branch in gathers), gathers
     *_, clean, _ = _run(POLICY, x, w, (GemmFaults.none(),) * 3, xs, ws)
     assert clean["gemm_detected"] == 0 and clean["gemm_recomputed"] == 0
