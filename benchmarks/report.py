@@ -42,6 +42,13 @@ scales 1e-3..1e3): `above_bound` errors exceed the detection bound, `detected_ab
 detected, and `worst_error_over_bound` is the largest distance of a returned output from the clean
 product, in units of (bound + 2 ulp of the dtype) — at most 1 means every output is within tolerance.
 
+Reading the collectives table: the training step's compiled program over every device of the mesh
+(data + FSDP; on a CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=8`), the tiny model, one
+step of each configuration: `every_step` counts the collectives every step runs (by kind in the
+columns after it; `MB` what they leave on each device), `on_a_fault` those inside a loop or branch
+(a GEMM's recompute, the parameters' repair, the device redo's gathers of a split contraction),
+which run only when a fault is found. The structure of the exchange, not an 8B step's bytes.
+
 Reading the margins table: `python -m benchmarks.margins` runs the protected training step with no
 faults under `ops.check_margins`. Per kind of GEMM (role: `y` forward, `dx`/`dw` backward, `redo` the
 recompute; shape G x R x K x N), `worst_ratio` is the largest residual over the detection bound that

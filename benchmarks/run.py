@@ -4,6 +4,8 @@ python -m benchmarks.run                 # every suite, on the default JAX devic
 python -m benchmarks.run --suite ops --size-mb 256
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite shard   # 8 CPU devices
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite routing-sim
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite collectives --layers 2
+                                                     # what the training step's devices exchange
 python -m benchmarks.run --suite routing-multi          # every GPU: 88% link faults x 50, vs simulator
 python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims training step, on/off
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
@@ -38,6 +40,7 @@ from models.llama3 import REMAT_POLICIES
 from . import (
     abft_campaign,
     bounds,
+    collectives,
     cpu_kernels,
     dispatch,
     finish,
@@ -73,11 +76,13 @@ def main() -> None:
         "peers",
         "launch",
         "dispatch",
+        "collectives",
     ]
     suites += ["llama3", "all"]
     ap.add_argument("--suite", choices=suites, default="all")
     ap.add_argument("--size-mb", type=int, default=1024, help="array size for the bandwidth-bound ops")
-    ap.add_argument("--layers", type=int, default=8, help="llama3, finish: decoder layers at 8B dimensions")
+    layers = "llama3, finish: decoder layers at 8B dimensions; collectives: the tiny model's"
+    ap.add_argument("--layers", type=int, default=8, help=layers)
     ap.add_argument("--steps", type=int, default=12, help="llama3: training steps per configuration")
     ap.add_argument("--devices", type=int, default=1, help="llama3: devices to train on (0: all)")
     ap.add_argument(
@@ -152,6 +157,7 @@ def main() -> None:
         ("peers", lambda: peers.run(args.peers)),
         ("launch", launch.run),
         ("dispatch", dispatch.run),
+        ("collectives", lambda: collectives.run(layers=args.layers)),
         (
             "llama3",
             lambda: llama3.run(

@@ -3,11 +3,10 @@ all-gathers of a compiled program."""
 
 from __future__ import annotations
 
-import re
-
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.hlo import collectives
 from pimlayers.memory import BankGeometry
 
 RAGGED_SHAPES = [(), (1,), (7,), (129,), (4097,), (0,), (3, 0), (2, 7), (3, 129), (2, 3, 5), (2, 1, 3, 7)]
@@ -77,35 +76,6 @@ def host_control_flow(closed_jaxpr) -> dict[str, int]:
 
 
 def all_gathers(hlo: str) -> list[tuple[str, bool]]:
-    """Every all-gather of a compiled program: (its result type, whether it runs only inside a
-    conditional's branch, directly or in a computation a branch calls)."""
-    comps: dict[str, list[str]] = {}
-    cur = None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            cur = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            comps[cur] = []
-        elif cur is not None:
-            comps[cur].append(line)
-    name = r"%([\w.\-]+)"
-    calls = r"(?:calls|to_apply|body|condition|true_computation|false_computation)=" + name
-    callees, branches = {}, set()
-    for c, lines in comps.items():
-        text = "\n".join(lines)
-        groups = re.findall(r"branch_computations=\{([^}]*)\}", text)
-        in_branch = {n for grp in groups for n in re.findall(name, grp)}
-        in_branch |= set(re.findall(r"(?:true|false)_computation=" + name, text))
-        branches |= in_branch
-        callees[c] = set(re.findall(calls, text)) | in_branch
-    reach, todo = set(), list(branches)
-    while todo:
-        c = todo.pop()
-        if c not in reach:
-            reach.add(c)
-            todo.extend(callees.get(c, ()))
-    return [
-        (re.search(r"= (\w+\[[\d,]*\])", line).group(1), c in reach)
-        for c, lines in comps.items()
-        for line in lines
-        if re.search(r" all-gather(-start)?\(", line)
-    ]
+    """Every all-gather of a compiled program: (its result type, whether it runs only inside a loop
+    or a conditional's branch: ``benchmarks.hlo``)."""
+    return [(c.types[0], not c.every_call) for c in collectives(hlo) if c.kind == "all-gather"]

@@ -968,3 +968,48 @@ def test_peers_device_time_is_the_median_of_profiled_calls(monkeypatch):
     monkeypatch.setattr(peers, "kernel_events", broken)
     with pytest.warns(RuntimeWarning, match="profiler busy"):
         assert np.isnan(peers._dev_ms(None, ()))
+
+
+def test_hlo_collectives_are_counted_with_their_bytes_and_where_they_run(cpu_mesh):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.hlo import collectives
+
+    n = cpu_mesh.size
+
+    def f(x):
+        full = jax.lax.with_sharding_constraint(x, NamedSharding(cpu_mesh, P()))  # an all-gather
+        total = jnp.sum(x)  # an all-reduce of a partial sum
+        # Only when the total is positive: another all-gather, inside a branch.
+        again = jax.lax.cond(total > 0, lambda v: jnp.sum(v * 2.0), lambda v: jnp.float32(0), x * full[:1])
+        return full, total, again
+
+    x = jax.device_put(jnp.ones((4 * n, 16), jnp.float32), NamedSharding(cpu_mesh, P("d")))
+    found = collectives(jax.jit(f).lower(x).compile().as_text())
+    every = [c for c in found if c.every_call]
+    gathers = [c for c in every if c.kind == "all-gather"]
+    assert any(c.types == (f"f32[{4 * n},16]",) and c.nbytes == 4 * n * 16 * 4 for c in gathers), found
+    assert any(c.kind == "all-reduce" for c in every)
+    assert any(not c.every_call for c in found), found  # the branch's reduction
+
+
+@pytest.mark.slow
+def test_collectives_suite_counts_the_protected_step_against_the_plain_one():
+    import jax
+
+    from benchmarks import collectives
+
+    with jax.numpy_dtype_promotion("standard"):
+        rows = collectives.run(layers=1)
+    got = {r["config"]: r for r in rows}
+    assert set(got) == {"off", "on", "on, device redo"}
+    assert all(r["devices"] == len(jax.devices()) for r in rows)
+    off, on = got["off"], got["on"]
+    # A protected step exchanges more (its checks' counts, the store's parity), and its recompute
+    # loops hold collectives that run only on a fault; the plain step has neither.
+    assert on["every_step"] > off["every_step"] > 0 and off["on_a_fault"] == 0 and on["on_a_fault"] > 0
+    kinds = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute")
+    assert all(r["every_step"] == sum(r[k] for k in kinds) for r in rows)

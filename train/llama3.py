@@ -102,6 +102,9 @@ class TrainConfig:
     process_id: int | None = None
     baseline: bool = False  # also train without faults/protection and plot both curves
     quiet: bool = False
+    # Write the training step's compiled program (optimized HLO text) here before the first step:
+    # what benchmarks.collectives reads (one more compile of the step; "" writes nothing).
+    hlo_path: str = ""
 
 
 _FLASH = {"auto": None, "on": True, "off": False}  # --flash -> layers.attention_core's flash
@@ -456,16 +459,12 @@ def train(cfg: TrainConfig) -> dict:
             faults.random_bit_flips(store, params, cfg.flips, seed=cfg.seed * 1_000_003 + s)
             totals["flips"] += cfg.flips
         batch = jax.device_put(jnp.asarray(next(stream)), batch_sharding)
+        args = (params, rest, opt_state, pim_state, batch, jax.random.key(cfg.seed * 7919 + s))
+        scrub = store is not None and s % cfg.scrub_every == 0
+        if cfg.hlo_path and s == start:  # lowered from the arguments before they are donated
+            pathlib.Path(cfg.hlo_path).write_text(step.lower(*args, scrub=scrub).compile().as_text())
         t_call = time.perf_counter()
-        params, opt_state, new_pim, stats, report, mem = step(
-            params,
-            rest,
-            opt_state,
-            pim_state,
-            batch,
-            jax.random.key(cfg.seed * 7919 + s),
-            scrub=store is not None and s % cfg.scrub_every == 0,
-        )
+        params, opt_state, new_pim, stats, report, mem = step(*args, scrub=scrub)
         if s > start:
             call_s.append(time.perf_counter() - t_call)
         if new_pim is not None:
