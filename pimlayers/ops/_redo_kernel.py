@@ -302,7 +302,7 @@ def redo_detected(
 
     # Each device redoes its own rows (``_redo_sharding``); on one device the plain call.
     out, stats = partitioned(call, a_t, b_t)(a, b, flags, counts, c, mag, out)
-    # A few bytes per program: every program wrote its stats (zeros where it redid nothing).
+    # Every program wrote its rows' stats (zeros where it redid nothing): XLA adds them up.
     total = jnp.sum(stats, axis=(1, 2), dtype=jnp.int32)  # (G, 4)
     still = jnp.sum(total[:, 0], dtype=jnp.int32)
     gated = jnp.sum(total[:, 1] - total[:, 2], dtype=jnp.int32)
