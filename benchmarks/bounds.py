@@ -62,7 +62,12 @@ def _same_tile(what: str, a, w, sums: tuple[int, ...], mag: int | None = None) -
     for i in sums:
         ha, hw = a[..., i, :] + a[..., i + 1, :], w[..., i, :] + w[..., i + 1, :]
         if not np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw)):
-            raise AssertionError(f"bounds: {what} rows {i}, {i + 1} differ from XLA's")
+            at = np.unravel_index(np.argmax(np.abs(ha - hw)), ha.shape)
+            raise AssertionError(
+                f"bounds: {what} rows {i}, {i + 1} differ from XLA's: by up to "
+                f"{np.max(np.abs(ha - hw)) / np.max(np.abs(hw)):.3g} of their largest (2^-20 allowed), "
+                f"at {tuple(map(int, at))}: {ha[at]!r} against {hw[at]!r}"
+            )
         rest -= {i, i + 1}
     if mag is not None:
         if not np.all(np.abs(a[..., mag, :] - w[..., mag, :]) <= 2.0**-7 * np.abs(w[..., mag, :])):

@@ -38,7 +38,7 @@ def run(
     redo_blocks: int = 0,
     no_recompute: bool = False,
     remat_policy: str = "gemms",
-    redo_kernel: bool = False,
+    loop: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -48,9 +48,11 @@ def run(
     column blocks without a branch, where the default's recompute loop has the host read a
     predicate per GEMM. ``no_recompute`` adds a protected step with ``FaultPolicy(recompute=False)``:
     what a check cannot locate skips the step instead of being recomputed, so no loop at all (with
-    ``fused`` too, also on with the fused forward GEMM and no recompute). ``redo_kernel`` adds a
-    protected step with ``FaultPolicy(recompute_kernel=True)``: the GEMMs' recompute on one device
-    kernel each, with no branch (attention keeps its recompute loop).
+    ``fused`` too, also on with the fused forward GEMM and no recompute). The default protected
+    step redoes what a GEMM's check cannot locate on one device kernel each, with no branch, where a
+    GPU runs it (``FaultPolicy.recompute_kernel``'s default; attention keeps its recompute loop);
+    ``loop`` adds one with ``FaultPolicy(recompute_kernel=False)``: the GEMMs' recompute loop, whose
+    predicate the host reads (the default before 2026-12-05; on a CPU the default is that loop).
     ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" (the default,
     like the dot-saving peer the goal names) keeps the linear layers' products for the backward pass;
     "full" recomputes them (the training script's default: less memory)."""
@@ -61,16 +63,16 @@ def run(
     # (protect, fused, flash, recompute_blocks, recompute, recompute_kernel): off; off with cuDNN's
     # attention; on; with ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with
     # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
-    # without recompute), with ``redo_kernel`` on with the device redo (and with both, fused with it).
-    configs = [(False, False, "auto", None, True, False)]
-    configs += [(False, False, "on", None, True, False)] if cudnn_peer else []
-    configs += [(True, False, "auto", None, True, False)]
-    configs += [(True, True, "auto", None, True, False)] if fused else []
-    configs += [(True, False, "auto", redo_blocks, True, False)] if redo_blocks else []
-    configs += [(True, False, "auto", None, True, True)] if redo_kernel else []
-    configs += [(True, True, "auto", None, True, True)] if redo_kernel and fused else []
-    configs += [(True, False, "auto", None, False, False)] if no_recompute else []
-    configs += [(True, True, "auto", None, False, False)] if no_recompute and fused else []
+    # without recompute), with ``loop`` on with the GEMMs' recompute loop (recompute_kernel None:
+    # the policy's default, the device kernel where a GPU runs it).
+    configs = [(False, False, "auto", None, True, None)]
+    configs += [(False, False, "on", None, True, None)] if cudnn_peer else []
+    configs += [(True, False, "auto", None, True, None)]
+    configs += [(True, True, "auto", None, True, None)] if fused else []
+    configs += [(True, False, "auto", redo_blocks, True, None)] if redo_blocks else []
+    configs += [(True, False, "auto", None, True, False)] if loop else []
+    configs += [(True, False, "auto", None, False, None)] if no_recompute else []
+    configs += [(True, True, "auto", None, False, None)] if no_recompute and fused else []
     for protect, fz, flash, rb, redo, kernel in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(
@@ -139,7 +141,7 @@ def step_config(
     flash: str = "auto",
     recompute_blocks: int | None = None,
     recompute: bool = True,
-    recompute_kernel: bool = False,
+    recompute_kernel: bool | None = None,
 ) -> TrainConfig:
     """The training script's configuration for one of the suite's steps (one sequence per device;
     protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
@@ -172,12 +174,18 @@ def step_config(
     )
 
 
-def _recompute_label(blocks: int | None, recompute: bool, kernel: bool = False) -> str:
+def _recompute_label(blocks: int | None, recompute: bool, kernel: bool | None = None) -> str:
+    """What the step's GEMMs recompute, as the policy resolves here (``recompute_kernel`` None: the
+    device kernel where a GPU runs it)."""
+    from pimlayers import FaultPolicy
+    from pimlayers.ops._redo_kernel import redo_kernel_chosen
+
     if not recompute:
         return "none (skip)"
-    if kernel:
-        return "device kernel"
-    return "whole GEMM" if blocks is None else f"{blocks} blocks"
+    if blocks is not None:
+        return f"{blocks} blocks"
+    chosen = kernel if kernel is not None else redo_kernel_chosen(FaultPolicy())
+    return "device kernel" if chosen else "whole GEMM"
 
 
 def _attention_label(protect: bool, flash: str) -> str:

@@ -3,14 +3,16 @@
 Forward: y = x @ w. Forward+backward: value and gradient of sum(y * g) with respect to x and w
 (three GEMMs on both sides). The protected version verifies (and would correct) every GEMM;
 "ratio" = plain time / protected time, so 1.00 is free protection and 0.80 is a 25% overhead.
-``protected`` is the default policy (the GEMM, then the native check pass over y); ``fused`` is
-``FaultPolicy(fused=True)`` (on a Hopper GPU the forward runs the fused kernel, whose epilogue forms
-the checked sums), timed in the same run at 128-column blocks on a Hopper GPU only; ``kernel`` is
-``FaultPolicy(recompute_kernel=True)`` (what a check cannot locate redone by one device kernel
-instead of the recompute loop, whose predicate the host reads), on a GPU only, after checking that
-it repairs two errors in one block; ``kernel_ratio`` = plain / kernel, alternating as ``ratio``;
-``fused_redo_kernel`` both (Hopper, 128-column blocks: the fused GEMM redoing its detected tiles on
-that kernel).
+``protected`` is the default policy (the GEMM, then the native check pass over y; on a GPU that
+runs it, what a check cannot locate is redone by the device kernel, ``FaultPolicy.recompute_kernel``'s
+default, timed there after checking that it repairs two errors in one block); ``loop`` is
+``FaultPolicy(recompute_kernel=False)``, the recompute loop whose predicate the host reads (the
+default before 2026-12-05), timed where the default takes the kernel; ``loop_ratio`` = plain /
+loop, alternating as ``ratio``. ``fused`` is ``FaultPolicy(fused=True)`` (on a Hopper GPU the forward
+runs the fused kernel, whose epilogue forms the checked sums, its detected tiles redone on the
+device kernel), timed in the same run at 128-column blocks on a Hopper GPU only. Files before
+2026-12-05's ``s40`` run: ``protected`` was the loop, ``kernel`` the device redo and
+``fused_redo_kernel`` the fused GEMM with it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pimlayers import FaultPolicy, native_info, ops
 from pimlayers.faults import GemmFaults
 from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm, pair_applies
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
+from pimlayers.ops._redo_kernel import redo_kernel_chosen
 
 from ._harness import time_fn, time_pair
 
@@ -80,34 +83,30 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     with_fused = hopper() and policy.block_n == TILE
     cases = pairs(m, k, n, dtype, policy)
     fused = pairs(m, k, n, dtype, policy.replace(fused=True)) if with_fused else None
-    # The device redo (FaultPolicy(recompute_kernel=True)) on a GPU; on a CPU it would time Pallas'
-    # interpreter, and the loop it replaces costs no host round trip there.
-    with_kernel = _redo_kernel_timed(dtype)
-    kernel = pairs(m, k, n, dtype, policy.replace(recompute_kernel=True)) if with_kernel else None
-    both = with_fused and with_kernel  # the fused GEMM redoing its detected tiles on the kernel
-    fused_kernel = pairs(m, k, n, dtype, policy.replace(fused=True, recompute_kernel=True)) if both else None
+    # Where the default redoes on the device kernel (a GPU that runs it), the loop it replaced: on a
+    # CPU the default is the loop itself.
+    with_loop = _redo_kernel_timed(dtype, policy)
+    loop = pairs(m, k, n, dtype, policy.replace(recompute_kernel=False)) if with_loop else None
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
-    others = [c["fwd"][1] for c in (fused, kernel, fused_kernel) if c is not None]
+    others = [c["fwd"][1] for c in (fused, loop) if c is not None]
     for f in (prot, *others):
         y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
         if rep.to_dict()["gemm_detected"] or err > 0.05:
             raise AssertionError(f"protected_matmul {k}->{n}: report {rep.to_dict()}, max diff {err}")
-    if with_kernel:
-        _check_redo(policy.replace(recompute_kernel=True), args_q, y0, f"{k}->{n}")
-    if both:
-        _check_redo(policy.replace(fused=True, recompute_kernel=True), args_q, y0, f"fused {k}->{n}")
+    if with_loop:  # the default's device redo, and the fused path's on the same kernel
+        _check_redo(policy, args_q, y0, f"{k}->{n}")
+        if with_fused:
+            _check_redo(policy.replace(fused=True), args_q, y0, f"fused {k}->{n}")
     flops = 2.0 * m * k * n
     t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
     extra = {}
     if with_fused:
         t2 = time_fn(fused["fwd"][1], *args_q)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
-    if with_kernel:
-        extra |= _kernel_cols(plain, args_p, kernel["fwd"][1], args_q)
-    if both:
-        extra |= _kernel_cols(plain, args_p, fused_kernel["fwd"][1], args_q, "fused_redo_kernel")
+    if with_loop:
+        extra |= _pair_cols(plain, args_p, loop["fwd"][1], args_q, "loop")
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
@@ -121,30 +120,30 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     if with_fused:
         t2 = time_fn(fused["fwd+bwd"][1], *args_q)
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
-    if with_kernel:
-        extra |= _kernel_cols(plain_g, args_p, kernel["fwd+bwd"][1], args_q)
-    if both:
-        extra |= _kernel_cols(plain_g, args_p, fused_kernel["fwd+bwd"][1], args_q, "fused_redo_kernel")
+    if with_loop:
+        extra |= _pair_cols(plain_g, args_p, loop["fwd+bwd"][1], args_q, "loop")
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
 
 
-def _redo_kernel_timed(dtype) -> bool:
-    """Whether the suite times the device redo: on a GPU, for the bf16 / f16 GEMMs it takes."""
-    return jax.devices()[0].platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+def _redo_kernel_timed(dtype, policy: FaultPolicy) -> bool:
+    """Whether the default redoes on the device kernel here (a GPU that runs it; bf16 / f16 GEMMs), so
+    that the suite also times the loop it replaced."""
+    return redo_kernel_chosen(policy) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def _kernel_cols(plain, args_p, kernel, args_q, name: str = "kernel") -> dict:
+def _pair_cols(plain, args_p, other, args_q, name: str) -> dict:
     """``{name}_ms`` and ``{name}_ratio`` (plain / it, alternating rounds as ``time_pair``)."""
-    _, t, ratio = time_pair(plain, args_p, kernel, args_q)
+    _, t, ratio = time_pair(plain, args_p, other, args_q)
     return {f"{name}_ms": t * 1e3, f"{name}_ratio": ratio}
 
 
 def _check_redo(policy: FaultPolicy, args, y0, what: str) -> None:
-    """Before timing the device redo: two errors no check locates in one block of row 17 must come
-    back repaired, and be reported so. Two values of 1.1-1.9 (exponent 127) with their exponent's
-    top bit flipped become NaN: two non-finite values in a block are detected at any block width
-    (a whole row of 14336 too, whose bound would pass errors of a few units) and never located."""
+    """Before timing the device redo (the default on a GPU that runs it): two errors no check locates
+    in one block of row 17 must come back repaired, and be reported so. Two values of 1.1-1.9
+    (exponent 127) with their exponent's top bit flipped become NaN: two non-finite values in a
+    block are detected at any block width (a whole row of 14336 too, whose bound would pass errors
+    of a few units) and never located."""
     v = np.abs(np.asarray(y0[17, :128], np.float32))
     cols = np.flatnonzero((v >= 1.1) & (v < 1.9))[:2]
     if len(cols) < 2:
@@ -191,8 +190,10 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     (``abft_checks``), the GEMM with ``abft_finish`` on its output (in place for bf16), the three
     in one jit, and ``protected_matmul`` without its recompute, with the default recompute (a loop
     of 0 or 1 trips) and, with column blocks, with the branch-free redo of up to 32 flagged
-    blocks (``FaultPolicy.recompute_blocks``) and, on a GPU, with the device redo
-    (``protected_redo_kernel``, ``FaultPolicy(recompute_kernel=True)``); ``protected_fused`` is
+    blocks (``FaultPolicy.recompute_blocks``) and, where the default redoes on the device kernel (a
+    GPU that runs it), with the loop it replaced (``protected_loop``,
+    ``FaultPolicy(recompute_kernel=False)``; before 2026-12-05's ``s40`` files ``protected`` was the
+    loop and ``protected_redo_kernel`` the device redo); ``protected_fused`` is
     ``FaultPolicy(fused=True)`` (on a Hopper GPU, at 128-column blocks, the fused kernel, whose GEMM
     with its block sums alone is ``fused_kernel``).
     """
@@ -241,8 +242,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             }
             if block_n is not None:
                 fns["protected_redo_blocks"] = protected(policy.replace(recompute_blocks=32))
-            if _redo_kernel_timed(dtype):
-                fns["protected_redo_kernel"] = protected(policy.replace(recompute_kernel=True))
+            if _redo_kernel_timed(dtype, policy):
+                fns["protected_loop"] = protected(policy.replace(recompute_kernel=False))
             if block_n == TILE and hopper():  # elsewhere "fused" would time the default again
                 fns["protected_fused"] = protected(policy.replace(fused=True))
                 fns["fused_kernel"] = (jax.jit(fused_gemm), (x, w))
@@ -265,7 +266,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                     _same_encode(
                         f"encode_pair_native ({'transposed' if t else 'plain'}) {k}->{n}", ref, got, width
                     )
-            for name in ("protected", "protected_redo_blocks", "protected_redo_kernel", "protected_fused"):
+            for name in ("protected", "protected_redo_blocks", "protected_loop", "protected_fused"):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)
                     if rep.to_dict()["gemm_detected"]:
@@ -278,8 +279,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             row["ratio"] = row["plain_ms"] / row["protected_ms"]
             if block_n is not None:
                 row["ratio_redo_blocks"] = row["plain_ms"] / row["protected_redo_blocks_ms"]
-            if "protected_redo_kernel_ms" in row:
-                row["ratio_redo_kernel"] = row["plain_ms"] / row["protected_redo_kernel_ms"]
+            if "protected_loop_ms" in row:
+                row["ratio_loop"] = row["plain_ms"] / row["protected_loop_ms"]
             if "protected_fused_ms" in row:
                 row["ratio_fused"] = row["plain_ms"] / row["protected_fused_ms"]
             rows.append(row)

@@ -31,9 +31,12 @@ from the `s35warm` files (2026-12-05) on, after warming both up for 0.25 s inste
 `benchmarks/matmul.py::parts`); `ratio` there is plain / protected. `fused` / `protected_fused` is
 `FaultPolicy(fused=True)`: on a Hopper GPU the forward GEMM is one Pallas kernel whose epilogue forms
 the block sums the check compares (`fused_kernel`: that GEMM alone), not the default yet.
-`kernel` / `protected_redo_kernel` is `FaultPolicy(recompute_kernel=True)`: what a check cannot
-locate is redone by one device kernel (GPU only; timed after it repaired two non-finite values in one
-block), with no recompute loop whose predicate the host reads; `fused_redo_kernel` is both (Hopper).
+From the `s40` files (2026-12-05) on, `protected` on a GPU is the default policy with what a check
+cannot locate redone by one device kernel (`FaultPolicy.recompute_kernel`'s default there; timed
+after it repaired two non-finite values in one block), and `loop` / `protected_loop` is
+`FaultPolicy(recompute_kernel=False)`, the recompute loop whose predicate the host reads. Before,
+`protected` was the loop, `kernel` / `protected_redo_kernel` the device redo (opt-in then) and
+`fused_redo_kernel` the fused GEMM with it.
 
 Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
 shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;

@@ -11,8 +11,8 @@ python -m benchmarks.run --suite llama3 --layers 8 --devices 1   # the 8B-dims t
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --fused   # also on with the fused GEMM (Hopper)
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --no-recompute
                                                      # also branch-free recompute, and none
-python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-kernel --no-recompute
-                                                     # also the GEMMs' device redo (bf16), and none
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --loop --no-recompute
+                                                     # also the GEMMs' recompute loop, and none
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
@@ -96,9 +96,10 @@ def main() -> None:
         help="llama3: also protected with FaultPolicy(recompute_blocks=N) (branch-free recompute)",
     )
     ap.add_argument(
-        "--redo-kernel",
+        "--loop",
         action="store_true",
-        help="llama3: also protected with FaultPolicy(recompute_kernel=True) (the GEMMs' device redo)",
+        help="llama3: also protected with FaultPolicy(recompute_kernel=False) (the GEMMs' recompute loop; "
+        "the default redoes on a device kernel where a GPU runs it)",
     )
     ap.add_argument(
         "--no-recompute",
@@ -168,7 +169,7 @@ def main() -> None:
                 redo_blocks=args.redo_blocks,
                 no_recompute=args.no_recompute,
                 remat_policy=args.remat_policy,
-                redo_kernel=args.redo_kernel,
+                loop=args.loop,
             ),
         ),
     ):

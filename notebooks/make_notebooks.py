@@ -83,12 +83,13 @@ plt.title("protected MLP output after 8 injected flips"); plt.tight_layout(); pl
         "md",
         """## What a check cannot locate: recomputed, with or without a branch
 
-Two errors in one checksum block fit no single column, so the block is recomputed. By default the
-whole GEMM is recomputed in a loop of 0 or 1 trips; on a GPU the host reads that loop's predicate
-after every protected GEMM, faults or not. `FaultPolicy(recompute_kernel=True)` (bf16/f16) instead
-launches one kernel over every tile that computes only the detected blocks and checks them again:
-no branch at all. On a CPU the kernel runs under Pallas' interpreter; the program a GPU would run
-is lowered here to count its loops.""",
+Two errors in one checksum block fit no single column, so the block is recomputed. The loop
+(`FaultPolicy(recompute_kernel=False)`, the default on a CPU) recomputes the whole GEMM in a loop of
+0 or 1 trips; on a GPU the host reads that loop's predicate after every protected GEMM, faults or
+not. The device kernel (bf16/f16; the default on NVIDIA GPUs of compute capability 8.0 or newer,
+forced here with `recompute_kernel=True`) instead launches one kernel over every tile that computes
+only the detected blocks and checks them again: no branch at all. On a CPU the kernel runs under
+Pallas' interpreter; the program a GPU would run is lowered here to count its loops.""",
     ),
     (
         "code",
@@ -105,7 +106,8 @@ two = GemmFaults(jnp.array([row, row]), jnp.asarray(cols), jnp.array([30, 30]), 
 # y is bf16: "max |y - f32|" is its distance from the f32 product, one bf16 rounding when repaired.
 head = ("recompute", 16), ("detected", 9), ("recomputed", 11), ("uncorr.", 8), ("max |y - f32|", 14)
 print(" ".join(f"{h:>{w}}" for h, w in head), f"{'GPU loops':>10}")
-for name, pol in (("loop (default)", FaultPolicy()), ("device kernel", FaultPolicy(recompute_kernel=True))):
+for name, k in (("loop", False), ("device kernel", True)):
+    pol = FaultPolicy(recompute_kernel=k)
     y, r = jax.jit(lambda a, b, f, p=pol: ops.protected_matmul(a, b, policy=p, faults=f))(xb, wb, two)
     gpu = jax.jit(lambda a, b, p=pol: ops.protected_matmul(a, b, policy=p)[0]).trace(xb, wb)
     loops = gpu.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.while")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import host_control_flow
+from helpers import host_control_flow, jaxpr_eqns
 
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
@@ -241,7 +241,8 @@ def test_protected_matmul_redoes_unlocatable_errors_on_the_kernel(block_n):
 def test_no_branch_and_no_recompile_across_fault_patterns():
     x, w = _xw(64, 64, 128)
     none = _flow(KERNEL.replace(recompute=False), x, w)
-    assert _flow(KERNEL, x, w) == none and _flow(FaultPolicy(), x, w)["while"] == none["while"] + 1
+    loop = FaultPolicy(recompute_kernel=False)
+    assert _flow(KERNEL, x, w) == none and _flow(loop, x, w)["while"] == none["while"] + 1
     g = _pmm(KERNEL)
     clean = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16)
     g(x, w, _two_in_a_block(clean, 0))  # the one compilation: later patterns are data
@@ -345,5 +346,41 @@ def test_the_fused_path_redoes_every_detected_tile_on_the_kernel(fused):
 def test_policy_takes_one_branch_free_redo():
     with pytest.raises(ValueError, match="recompute_blocks=4 and recompute_kernel=True"):
         FaultPolicy(recompute_blocks=4, recompute_kernel=True)
-    with pytest.raises(TypeError, match="recompute_kernel must be a bool"):
+    with pytest.raises(TypeError, match="recompute_kernel must be a bool or None; got int 1"):
         FaultPolicy(recompute_kernel=1)
+    # the default (None) defers to recompute_blocks
+    assert FaultPolicy(recompute_blocks=4).recompute_kernel is None
+
+
+@pytest.mark.parametrize(
+    ("device", "chosen"),
+    [
+        (_Device("cpu"), False),  # the loop costs no host round trip there; the kernel is interpreted
+        (_Device("gpu", "9.0"), True),
+        (_Device("gpu", "8.0"), True),
+        (_Device("gpu", "7.5"), False),
+        (_Device("gpu", None, "rocm 6.2"), False),
+        (None, False),
+    ],
+)
+def test_the_default_takes_the_kernel_on_the_gpus_that_run_it(monkeypatch, device, chosen):
+    """recompute_kernel=None: the device redo on an NVIDIA GPU of sm_80 or newer, the loop elsewhere;
+    recompute_blocks or recompute_kernel=False keep their own redo there too. Read from the traced
+    program: the kernel leaves no loop for the host and one Pallas call; the loop, one while."""
+    monkeypatch.setattr(_redo_kernel, "_first_device", lambda: device)
+    assert _redo_kernel.redo_kernel_chosen(FaultPolicy()) is chosen
+    assert not _redo_kernel.redo_kernel_chosen(FaultPolicy(recompute_blocks=4))
+    x, w = _xw(64, 64, 256)
+    pallas = lambda p: any(  # (a Triton call and, for other platforms, its interpreted twin)
+        e.primitive.name == "pallas_call"
+        for e, _ in jaxpr_eqns(
+            jax.make_jaxpr(lambda a, b: ops.protected_matmul(a, b, policy=p)[0])(x, w).jaxpr
+        )
+    )
+    assert (_flow(FaultPolicy(), x, w)["while"], pallas(FaultPolicy())) == (
+        (0, True) if chosen else (1, False)
+    )
+    for loop in (FaultPolicy(recompute_kernel=False), FaultPolicy(recompute_blocks=4)):
+        assert not pallas(loop)
+    runs = chosen or (device is not None and device.platform == "cpu")  # True: wherever it runs
+    assert pallas(FaultPolicy(recompute_kernel=True)) is runs

@@ -116,7 +116,9 @@ def test_bad_options_are_refused(capsys):
     with pytest.raises(SystemExit):
         T.parse_args(["--recompute-kernel", "--no-recompute"])
     assert "--recompute-kernel" in capsys.readouterr().err
-    assert T.parse_args(["--recompute-kernel"]).recompute_kernel
+    assert T.parse_args(["--recompute-kernel"]).recompute_kernel is True
+    assert T.parse_args(["--no-recompute-kernel"]).recompute_kernel is False
+    assert T.parse_args([]).recompute_kernel is None  # the kernel where a GPU runs it, else the loop
     for bad, match in (
         (dict(recompute=False, recompute_blocks=4), "choose one"),
         (dict(recompute=False, recompute_kernel=True), "recompute_kernel=True .*choose one"),

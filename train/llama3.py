@@ -88,8 +88,10 @@ class TrainConfig:
     recompute: bool = True
     # FaultPolicy.recompute_kernel: what a GEMM's check cannot locate is redone by one device kernel
     # that computes only the detected blocks (bf16 / f16 GEMMs; no branch, no capacity); attention's
-    # own recompute is unchanged.
-    recompute_kernel: bool = False
+    # own recompute is unchanged. None (default): the kernel on the GPUs that run it (NVIDIA, sm_80
+    # or newer), the loop elsewhere; --recompute-kernel forces it (a CPU: Pallas' interpreter, slow),
+    # --no-recompute-kernel keeps the loop.
+    recompute_kernel: bool | None = None
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
     flash: str = "auto"
@@ -114,7 +116,7 @@ def parse_args(argv=None) -> TrainConfig:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         name = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):  # --name / --no-name; a None default: neither given
             ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
         elif f.name == "data":
             ap.add_argument(name, nargs="+", default=None, help="text files or folders")

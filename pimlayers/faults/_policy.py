@@ -70,32 +70,44 @@ class FaultPolicy:
     # recompute, so without the redo, 123.7 against 118.7 ms unfused (2026-12-04). The kernel is
     # chosen when the program is traced, by JAX's first device. Over several devices each runs the
     # kernel on its own rows of x (pimlayers/ops/_fused_rows.py), but the two-tile redo is XLA's
-    # gathers and slices, which XLA partitions by gathering y to every device: there set
-    # recompute_kernel too (then nothing is gathered; tested on 8 CPU devices with XLA standing in
-    # for the kernel). Not tested on a GPU under vmap, sharding, or for the CPU of a GPU host.
+    # gathers and slices, which XLA partitions by gathering y to every device: there the device
+    # kernel redoes instead (recompute_kernel, by default on the GPUs that run it; then nothing is
+    # gathered; tested on 8 CPU devices with XLA standing in for the fused kernel). Not tested on a
+    # GPU under vmap, sharding, or for the CPU of a GPU host.
     fused: bool = False
     # Recompute what a check detected but could not locate with one device kernel (bf16 / f16
     # operands; pimlayers/ops/_redo_kernel.py): launched over every tile of the product, it computes
     # only the tiles holding a detected block and writes their detected rows in place. No branch,
     # so no host round trip per GEMM on a GPU, and no capacity (every detected block is redone); a
-    # clean product costs a launch whose programs read their flags and exit. On a CPU it runs under
-    # Pallas' interpreter (slow: tests). f32 GEMMs, blocks no power-of-two tile divides, and GPUs
-    # other than NVIDIA ones of compute capability 8.0 or newer keep the loop. Not the default
-    # until timed against the loop on a GPU. Over several devices each device redoes its own rows
+    # clean product costs a launch whose programs read their flags and exit.
+    # None (default): the kernel where JAX's first device is an NVIDIA GPU of compute capability
+    # 8.0 or newer, where it was measured to win (an H100, 2026-12-05, docs/gpu-tests.md: the
+    # 4-layer Llama-3-8B-dims step 116.1 ms against 132.0 with the loop and 117.1 recomputing
+    # nothing; the forward GEMM at 8192 x 4096 -> 1024, 128-column blocks, 0.190 ms against 0.433
+    # with the loop and 0.186 recomputing nothing), and the loop
+    # elsewhere (a CPU, where the loop costs no host round trip and the kernel would run under
+    # Pallas' interpreter; other GPUs), for f32 GEMMs (Triton's f32 dot would need its slow IEEE
+    # mode to stay inside the bound), blocks no power-of-two tile divides, and under
+    # recompute_blocks. True: the kernel wherever it runs, a CPU included (its interpreter: tests).
+    # False: the loop. Over several devices each device redoes its own rows
     # (pimlayers/ops/_redo_sharding.py); where the contraction is split (dw under data
     # parallelism) the operands are gathered only under a branch taken on a detection, the loop's
     # host round trip in that case. Tested under vmap, on one device and on 8 CPU devices (data
     # parallel, data + FSDP), not yet on several GPUs. With `fused` it replaces the fused path's
     # two-tile redo.
-    recompute_kernel: bool = False
+    recompute_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
             raise TypeError(f"FaultPolicy.mode must be a str, one of {self.MODES}; got {self.mode!r}.")
         if self.mode not in self.MODES:
             raise ValueError(f"FaultPolicy.mode must be one of {self.MODES}; got {self.mode!r}.")
-        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused", "recompute_kernel"):
+        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused"):
             self._set(name, _as_bool(name, getattr(self, name)))
+        if self.recompute_kernel is not None:
+            self._set(
+                "recompute_kernel", _as_bool("recompute_kernel", self.recompute_kernel, "a bool or None")
+            )
         self._set("gate_fill", _as_float("gate_fill", self.gate_fill))
         if self.gate_limit is not None:
             limit = _as_float("gate_limit", self.gate_limit)
@@ -173,9 +185,9 @@ class FaultPolicy:
         return dataclasses.replace(self, **changes)
 
 
-def _as_bool(name: str, value: Any) -> bool:
+def _as_bool(name: str, value: Any, what: str = "a bool") -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"FaultPolicy.{name} must be a bool; got {type(value).__name__} {value!r}.")
+        raise TypeError(f"FaultPolicy.{name} must be {what}; got {type(value).__name__} {value!r}.")
     return bool(value)
 
 
