@@ -54,18 +54,27 @@ def _check(bd: dict, q, k, do, out, lam: float, bq: int = 64, bk: int = 64) -> N
 
 
 def _same_tile(what: str, a, w, sums: tuple[int, ...], mag: int | None = None) -> None:
-    """One Pallas tile (..., CS, n) against XLA's: the hi + lo rows at each of ``sums`` within f32
-    rounding (2^-20 of their largest), the ``mag`` row (a bf16 magnitude) within one bf16 rounding
-    (its f32 value may round across a bf16 boundary the other way), every other row equal."""
+    """One Pallas tile (..., CS, n) against XLA's: the hi + lo rows at each of ``sums`` as close as
+    two splits of f32 sums in other orders can be (below), the ``mag`` row (a bf16 magnitude) within
+    one bf16 rounding (its f32 value may round across a bf16 boundary the other way), every other
+    row equal.
+
+    hi = bf16(s), lo = bf16(s - hi) carry s to 2^-16 of its value (lo's own rounding), so two f32 sums
+    one ulp apart can split into pairs up to ~2^-16 |s| apart; the f32 sums themselves (64-128 bf16
+    terms) differ by a few ulps of their terms' scale, counted as 2^-18 of the tile's largest sum.
+    (A 2^-20-of-the-largest test, the first version, failed on an H100 at the Llama shape by an
+    amount it did not print; that the Triton kernels sum in other orders than XLA, which the CPU's
+    interpreter does not, is one way it can, not yet shown to be the one.)"""
     a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
     rest = set(range(a.shape[-2]))
     for i in sums:
         ha, hw = a[..., i, :] + a[..., i + 1, :], w[..., i, :] + w[..., i + 1, :]
-        if not np.max(np.abs(ha - hw)) <= 2**-20 * np.max(np.abs(hw)):
-            at = np.unravel_index(np.argmax(np.abs(ha - hw)), ha.shape)
+        tol = 2.0**-15 * np.abs(hw) + 2.0**-18 * np.max(np.abs(hw))
+        if not np.all(np.abs(ha - hw) <= tol):
+            at = np.unravel_index(np.argmax(np.abs(ha - hw) - tol), ha.shape)
             raise AssertionError(
                 f"bounds: {what} rows {i}, {i + 1} differ from XLA's: by up to "
-                f"{np.max(np.abs(ha - hw)) / np.max(np.abs(hw)):.3g} of their largest (2^-20 allowed), "
+                f"{np.max(np.abs(ha - hw)) / np.max(np.abs(hw)):.3g} of their largest, "
                 f"at {tuple(map(int, at))}: {ha[at]!r} against {hw[at]!r}"
             )
         rest -= {i, i + 1}

@@ -22,7 +22,7 @@ import tempfile
 import jax
 import numpy as np
 
-from train.llama3 import TrainConfig, train
+from train.llama3 import TrainConfig, recompute_mode, train
 
 
 def run(
@@ -176,16 +176,11 @@ def step_config(
 
 def _recompute_label(blocks: int | None, recompute: bool, kernel: bool | None = None) -> str:
     """What the step's GEMMs recompute, as the policy resolves here (``recompute_kernel`` None: the
-    device kernel where a GPU runs it)."""
+    device kernel where a GPU runs it; ``train.llama3.recompute_mode``)."""
     from pimlayers import FaultPolicy
-    from pimlayers.ops._redo_kernel import redo_kernel_chosen
 
-    if not recompute:
-        return "none (skip)"
-    if blocks is not None:
-        return f"{blocks} blocks"
-    chosen = kernel if kernel is not None else redo_kernel_chosen(FaultPolicy())
-    return "device kernel" if chosen else "whole GEMM"
+    policy = FaultPolicy(recompute=recompute, recompute_blocks=blocks, recompute_kernel=kernel)
+    return recompute_mode(policy)
 
 
 def _attention_label(protect: bool, flash: str) -> str:

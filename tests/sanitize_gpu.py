@@ -18,6 +18,10 @@ and its backward kernels have their own cases, run with ``python tests/sanitize_
 ``K='regex=mosaic'`` (the kernels are named ``entry_mosaic_gpu_kernel``). On an H200 (2026-12-01,
 docs/gpu-tests.md) memcheck passed the forward's cases and then failed with CUDA_ERROR_INVALID_PC at
 the first backward case; racecheck failed inside the tool at the first forward case: not clean.
+The device redo's Triton kernel has ``python tests/sanitize_gpu.py redo``, run with no
+``--kernel-name`` filter (Triton names the kernel after its Pallas body) and
+``XLA_FLAGS=--xla_gpu_autotune_level=0`` (its cases form bf16 GEMMs with XLA, whose autotuning the
+tool cannot run); not yet run under the tool.
 
 The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
 crashed the tool itself part-way (seen on an H200 with compute-sanitizer 2025.3.1), at a different
@@ -58,6 +62,17 @@ def flash_cases(which: str = "") -> list:
         ],
     ]
     return {"fwd": fwd, "bwd": bwd}.get(which, fwd + bwd)
+
+
+def redo_cases() -> list:
+    """The device redo's Triton kernel (``pimlayers/ops/_redo_kernel.py``): against its interpreter
+    at a ragged and a transposed shape, and inside protected_matmul at a Llama-3-8B shape."""
+    import test_gpu_redo_kernel as TR
+
+    return [
+        *[(TR.test_kernel_equals_its_interpreter, (None, *case)) for case in TR.CASES[1:]],
+        (TR.test_llama_shape_unlocatable_faults_redone_and_clean_untouched, (None,)),
+    ]
 
 
 def handler_cases(gpu) -> list:
@@ -115,13 +130,15 @@ def handler_cases(gpu) -> list:
 
 
 def main(argv: list[str]) -> None:
-    """``[flash [fwd|bwd]] [--count | --case I]``: the handlers' cases (or the flash kernels'), all
-    of them, how many there are, or the I-th alone (from 1)."""
+    """``[flash [fwd|bwd] | redo] [--count | --case I]``: the handlers' cases (or the flash kernels',
+    or the device redo's), all of them, how many there are, or the I-th alone (from 1)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python tests/sanitize_gpu.py")
     ap.add_argument(
-        "kernels", nargs="*", help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels"
+        "kernels",
+        nargs="*",
+        help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels; 'redo': the device redo",
     )
     one = ap.add_mutually_exclusive_group()
     one.add_argument("--count", action="store_true", help="print the number of cases and stop")
@@ -129,10 +146,12 @@ def main(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     if a.kernels[:1] == ["flash"] and len(a.kernels) <= 2 and a.kernels[1:] in ([], ["fwd"], ["bwd"]):
         cases = flash_cases(*a.kernels[1:])
+    elif a.kernels == ["redo"]:
+        cases = redo_cases()
     elif not a.kernels:  # (counting needs no GPU)
         cases = handler_cases(None if a.count else jax.devices("cuda")[0])
     else:
-        ap.error(f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd' or 'flash bwd'")
+        ap.error(f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd', 'flash bwd' or 'redo'")
     if a.count:
         print(len(cases))
         return

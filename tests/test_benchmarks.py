@@ -820,6 +820,21 @@ def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
     off = (tiles[0].at[0, 0, 0, 1, 3].set(1.0), *tiles[1:])
     with pytest.raises(AssertionError, match="rows 0, 1 differ"):
         bounds._same_tiles(off, tiles)
+    # Splits (hi, lo in bf16) of f32 sums one ulp apart, as another summation order leaves them: at
+    # these two sums lo rounds the other way, 2^-16 of the sum apart (1.6% of random sums do; a
+    # 2^-20-of-the-largest test refused them), and pass; a slip of 2^-12 does not.
+    sums = np.float32([-4.009674072265625, 8.03057861328125, 3.3, 0.0123])
+
+    def split(x):
+        hi = x.astype(jax.numpy.bfloat16).astype(np.float32)
+        return np.stack([hi, (x - hi).astype(jax.numpy.bfloat16).astype(np.float32)])[None]
+
+    near, exact = split(sums + np.spacing(sums)), split(sums)
+    moved = np.abs(near.astype(np.float64).sum(-2) - exact.astype(np.float64).sum(-2))
+    assert moved.max() > 2**-17 * np.abs(sums).max()  # more than f32 rounding of the largest sum
+    bounds._same_tile("t", near, exact, (0,))
+    with pytest.raises(AssertionError, match="differ from XLA's: by up to"):
+        bounds._same_tile("t", split(sums * np.float32(1 + 2**-12)), split(sums), (0,))
     if jax.default_backend() == "cpu":
         assert all(np.isnan(r["dev_ms"]) and np.isnan(r["reads"]) for r in rows)
     real = bounds.flash_bwd_bounds

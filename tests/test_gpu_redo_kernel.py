@@ -22,14 +22,16 @@ def cuda():
         pytest.skip("the redo kernel's Triton build needs a CUDA GPU")
 
 
-@pytest.mark.parametrize(
-    ("r", "k", "n", "block_n", "a_t", "b_t"),
-    [
-        (8192, 4096, 1024, 128, False, False),
-        (300, 200, 500, None, True, False),
-        (256, 128, 384, 32, False, True),
-    ],
-)
+# (r, k, n, block_n, a_t, b_t): a Llama-3-8B shape, a ragged one with whole-row blocks and xᵀ, and
+# narrow blocks with wᵀ (also tests/sanitize_gpu.py's cases)
+CASES = [
+    (8192, 4096, 1024, 128, False, False),
+    (300, 200, 500, None, True, False),
+    (256, 128, 384, 32, False, True),
+]
+
+
+@pytest.mark.parametrize(("r", "k", "n", "block_n", "a_t", "b_t"), CASES)
 def test_kernel_equals_its_interpreter(cuda, r, k, n, block_n, a_t, b_t):
     a, b, c, mag = _case(1, r, k, n, block_n, jnp.bfloat16)
     y = jnp.matmul(a, b, preferred_element_type=jnp.bfloat16)

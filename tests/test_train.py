@@ -46,6 +46,7 @@ def test_every_injected_fault_is_reported_and_the_run_learns(tmp_path):
     assert m["banks_uncorrectable"] == 0
     assert inj["nan_bursts"] > 0 and inj["skipped"] == inj["nan_bursts"]
     assert s["curve"][-1][1] < s["curve"][0][1]  # it learns despite the faults
+    assert s["recompute"] == "whole GEMM"  # the CPU's default: the loop
     table = T.fault_table(s)
     assert "silent" in table and all(line.split()[-1] == "0" for line in table.splitlines()[1:4])
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
@@ -129,6 +130,23 @@ def test_bad_options_are_refused(capsys):
             T.train(T.TrainConfig(**bad))
     cfg = T.parse_args(["--steps", "5", "--no-protect", "--data", "a.txt", "b"])
     assert cfg.steps == 5 and not cfg.protect and cfg.data == ["a.txt", "b"]
+
+
+def test_recompute_mode_says_what_the_policy_resolves_to_here(monkeypatch):
+    from pimlayers.faults import FaultPolicy
+    from pimlayers.ops import _redo_kernel
+
+    modes = {
+        FaultPolicy(): "whole GEMM",  # a CPU: the loop
+        FaultPolicy(recompute=False): "none (skip)",
+        FaultPolicy.off(): "none (skip)",
+        FaultPolicy(recompute_blocks=8): "8 blocks",
+        FaultPolicy(recompute_kernel=True): "device kernel",
+    }
+    assert {p: T.recompute_mode(p) for p in modes} == modes
+    monkeypatch.setattr(_redo_kernel, "redo_kernel_chosen", lambda p: p.recompute_blocks is None)  # a GPU
+    assert T.recompute_mode(FaultPolicy()) == "device kernel"
+    assert T.recompute_mode(FaultPolicy(recompute_kernel=False)) == "whole GEMM"
 
 
 @pytest.mark.slow

@@ -173,6 +173,19 @@ def _peak(device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+def recompute_mode(policy: FaultPolicy) -> str:
+    """What a protected GEMM does with what its check detects but cannot locate, as ``policy``
+    resolves on this machine (``recompute_kernel=None``: the device kernel where a GPU runs it)."""
+    from pimlayers.ops._redo_kernel import redo_kernel_chosen
+
+    if not (policy.corrects and policy.recompute):
+        return "none (skip)"
+    if policy.recompute_blocks is not None:
+        return f"{policy.recompute_blocks} blocks"
+    kernel = policy.recompute_kernel if policy.recompute_kernel is not None else redo_kernel_chosen(policy)
+    return "device kernel" if kernel else "whole GEMM"
+
+
 def _host_sum(total: FaultReport, report: FaultReport) -> FaultReport:
     """A running sum of reports on the host, in int64: a long run's checked counts pass 2^31 (each
     step's scrub of 4 Llama-3-8B-dimension layers checks ~0.96M parameter stripes, of 32 layers ~8M:
@@ -286,6 +299,7 @@ def train(cfg: TrainConfig) -> dict:
     say(
         f"model: {cfg.config} ({model_cfg.n_layers} layers, dim {model_cfg.dim}), {n_params:,} parameters; "
         f"mesh {dict(mesh.shape)}; protection {'on' if cfg.protect else 'off'}"
+        + (f" (GEMM recompute: {recompute_mode(policy)})" if cfg.protect else "")
         + (f"; parity {store.overhead()['parity_fraction']:.3f} of the parameter bytes" if store else "")
     )
 
@@ -508,6 +522,7 @@ def train(cfg: TrainConfig) -> dict:
         final_eval_loss=final_eval,
         unigram_cross_entropy=unigram,
         protect=cfg.protect,
+        recompute=recompute_mode(policy) if cfg.protect else None,
         injected=totals,
         gemm=report_sum.to_dict(),
         memory=memory.to_dict(),
