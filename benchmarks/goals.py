@@ -1,9 +1,10 @@
-"""The performance goals' standing, read from the newest results file that measures each (goal 5:
-the newest three), and their history over every file that measures them.
+"""The performance goals' standing, read from the newest results file that measures each (the GPU
+goals: the newest of each GPU model; goal 5: the newest three), and their history over every file
+that measures them.
 
-One row per goal and case: the peer measured in the same run, our figure, the ratio the goal is
-stated in, the target, whether the figure meets it, and the file it came from. Goals (on one H200,
-ratios side by side in one run; the CPU goal on the CI machine):
+One row per goal, device and case: the peer measured in the same run, our figure, the ratio the
+goal is stated in, the target, whether the figure meets it, and the file it came from. Goals (on
+one H200, ratios side by side in one run; the CPU goal on the CI machine):
 
 1. protected GEMM, forward and forward+backward at the four Llama-3-8B shapes (M = 8192, bf16,
    128-column blocks, the default policy and, where the file has them, the other recompute

@@ -366,7 +366,7 @@ def test_policy_takes_one_branch_free_redo():
 def test_the_default_takes_the_kernel_on_the_gpus_that_run_it(monkeypatch, device, chosen):
     """recompute_kernel=None: the device redo on an NVIDIA GPU of sm_80 or newer, the loop elsewhere;
     recompute_blocks or recompute_kernel=False keep their own redo there too. Read from the traced
-    program: the kernel leaves no loop for the host and one Pallas call; the loop, one while."""
+    program: the kernel leaves no loop for the host and a Pallas call; the loop, one while."""
     monkeypatch.setattr(_redo_kernel, "_first_device", lambda: device)
     assert _redo_kernel.redo_kernel_chosen(FaultPolicy()) is chosen
     assert not _redo_kernel.redo_kernel_chosen(FaultPolicy(recompute_blocks=4))
