@@ -67,3 +67,25 @@ def test_llama_shape_unlocatable_faults_redone_and_clean_untouched(cuda):
     y0, r0 = jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=KERNEL))(x, w)
     y1, _ = jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=KERNEL.replace(recompute=False)))(x, w)
     assert np.asarray(y0).tobytes() == np.asarray(y1).tobytes() and r0.to_dict()["gemm_recomputed"] == 0
+
+
+def test_the_default_policy_redoes_on_the_kernel_on_this_gpu(cuda):
+    """FaultPolicy()'s recompute_kernel=None takes the kernel on an NVIDIA GPU of sm_80 or newer: no
+    loop left for the host, and an unlocatable pair repaired as the explicit kernel repairs it."""
+    from helpers import host_control_flow
+
+    from pimlayers import FaultPolicy
+    from pimlayers.ops._redo_kernel import redo_kernel_chosen
+
+    if float(jax.devices()[0].compute_capability) < 8.0:
+        pytest.skip("the kernel needs sm_80 or newer; the loop stays the default here")
+    assert redo_kernel_chosen(FaultPolicy())
+    x, w = _xw(512, 256, 384)
+    flow = host_control_flow(jax.make_jaxpr(lambda a, b: ops.protected_matmul(a, b)[0])(x, w))
+    assert flow == {"cond": 0, "while": 0}
+    clean = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16)
+    y, r = jax.jit(lambda a, b, fl: ops.protected_matmul(a, b, faults=fl))(
+        x, w, _two_in_a_block(clean, 300, 128)
+    )
+    assert (r.to_dict()["gemm_recomputed"], r.to_dict()["gemm_uncorrectable"]) == (1, 0)
+    _close(y, clean)
