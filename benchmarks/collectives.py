@@ -3,15 +3,22 @@ off and on, over every device of the mesh (data + FSDP, as ``train.llama3`` lays
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite collectives
 python -m benchmarks.run --suite collectives --layers 4          # every GPU of the machine
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.run --suite collectives
+    --layers 1 --config llama3_small --seq 64                    # another model (one command)
+python -m benchmarks.run --suite collectives --layers 1 --config llama3_8b --seq 8192   # GPUs
 
 Counted from the step's optimized HLO (``benchmarks.hlo``): per kind, the collectives every step
 runs, and apart those inside a loop or a branch (a GEMM's recompute, the parameters' repair), which
 run only when a fault is found; ``MB`` is what the every-step ones leave on each device (an
 all-gather's whole result). The model is the tiny Llama-3 (dim 64, vocabulary 512, bf16) with
 ``--layers`` blocks, one 32-token sequence per device: the counts show the structure (what a
-protected layer adds, what is gathered), not the bytes of an 8B step. "on" recomputes what a GEMM's
-check cannot locate in the loop (``recompute_kernel=False``, the CPU's default), "on, device redo"
-on the device kernel (the default on the GPUs that run it).
+protected layer adds, what is gathered), not the bytes of an 8B step. ``--config`` takes another
+model (with a byte tokenizer: a 256-token vocabulary, so the LM head is small) and ``--seq`` the
+tokens per device; XLA's choices of what to gather change with them (with fewer tokens a device
+than a weight has rows it gathers tokens, not weights). The 8B model's step ran out of a 24 GB
+CPU host's memory on 8 CPU devices at 512 tokens each; its collectives are for several GPUs.
+"on" recomputes what a GEMM's check cannot locate in the loop (``recompute_kernel=False``, the
+CPU's default), "on, device redo" on the device kernel (the default on the GPUs that run it).
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ def run(layers: int = 2, devices: int = 0, config: str = "llama3_tiny", seq: int
             hlo = pathlib.Path(d) / "step.hlo"
             cfg = TrainConfig(
                 config=config, layers=layers, steps=1, batch=n, seq=seq, devices=n, dtype="bfloat16",
+                tokenizer="bpe" if config == "llama3_tiny" else "bytes",
                 max_bytes=200_000, eval_every=1000, eval_windows=n, flip_every=0, out_dir=d, quiet=True,
                 hlo_path=str(hlo), **kw,
             )  # fmt: skip
             train(cfg)
             found = collectives(hlo.read_text())
-        rows.append(dict(config=label, devices=n, layers=layers, **_summary(found)))
+        rows.append(dict(config=label, model=config, seq=seq, devices=n, layers=layers, **_summary(found)))
     return rows
 
 

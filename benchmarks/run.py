@@ -84,6 +84,8 @@ def main() -> None:
     layers = "llama3, finish: decoder layers at 8B dimensions; collectives: the tiny model's"
     ap.add_argument("--layers", type=int, default=8, help=layers)
     ap.add_argument("--steps", type=int, default=12, help="llama3: training steps per configuration")
+    ap.add_argument("--config", default="llama3_tiny", help="collectives: the model (models.llama3.CONFIGS)")
+    ap.add_argument("--seq", type=int, default=32, help="collectives: tokens per device")
     ap.add_argument("--devices", type=int, default=1, help="llama3: devices to train on (0: all)")
     ap.add_argument(
         "--fused", action="store_true", help="llama3: also protected with the fused forward GEMM (Hopper)"
@@ -158,7 +160,7 @@ def main() -> None:
         ("peers", lambda: peers.run(args.peers)),
         ("launch", launch.run),
         ("dispatch", dispatch.run),
-        ("collectives", lambda: collectives.run(layers=args.layers)),
+        ("collectives", lambda: collectives.run(layers=args.layers, config=args.config, seq=args.seq)),
         (
             "llama3",
             lambda: llama3.run(

@@ -1042,6 +1042,7 @@ def test_collectives_suite_counts_the_protected_step_against_the_plain_one():
     got = {r["config"]: r for r in rows}
     assert set(got) == {"off", "on", "on, device redo"}
     assert all(r["devices"] == len(jax.devices()) for r in rows)
+    assert all((r["model"], r["seq"], r["layers"]) == ("llama3_tiny", 32, 1) for r in rows)
     off, on = got["off"], got["on"]
     # A protected step exchanges more (its checks' counts, the store's parity), and its recompute
     # loops hold collectives that run only on a fault; the plain step has neither.
