@@ -674,9 +674,9 @@ def test_matmul_suite_checks_the_default_device_redo_repairs_and_times_the_loop(
 
     from benchmarks import matmul
     from pimlayers import FaultPolicy
-    from pimlayers.ops import _fused_gemm, _protected_matmul
+    from pimlayers.ops import _fused_gemm, _protected_matmul, _redo_kernel
 
-    monkeypatch.setattr(_protected_matmul, "redo_kernel_chosen", lambda p: p.recompute_blocks is None)
+    monkeypatch.setattr(_redo_kernel, "redo_kernel_chosen", lambda p: p.recompute_blocks is None)
     monkeypatch.setattr(matmul, "_redo_kernel_timed", lambda dtype, policy: True)
     monkeypatch.setattr(matmul, "time_pair", lambda a, aa, b, ab: (1e-3, 2e-3, 0.5))
     monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 3e-3)

@@ -176,14 +176,13 @@ def _peak(device) -> float | None:
 def recompute_mode(policy: FaultPolicy) -> str:
     """What a protected GEMM does with what its check detects but cannot locate, as ``policy``
     resolves on this machine (``recompute_kernel=None``: the device kernel where a GPU runs it)."""
-    from pimlayers.ops._redo_kernel import redo_kernel_chosen
+    from pimlayers.ops._redo_kernel import redo_kernel_wanted
 
     if not (policy.corrects and policy.recompute):
         return "none (skip)"
     if policy.recompute_blocks is not None:
         return f"{policy.recompute_blocks} blocks"
-    kernel = policy.recompute_kernel if policy.recompute_kernel is not None else redo_kernel_chosen(policy)
-    return "device kernel" if kernel else "whole GEMM"
+    return "device kernel" if redo_kernel_wanted(policy) else "whole GEMM"
 
 
 def _host_sum(total: FaultReport, report: FaultReport) -> FaultReport:

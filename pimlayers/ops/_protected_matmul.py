@@ -57,7 +57,7 @@ from ._fused_check import fused_flags, inject_fused, redo_tiles
 from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, hopper
 from ._fused_rows import fused_rows
 from ._gate import gate
-from ._redo_kernel import redo_detected, redo_kernel_applies, redo_kernel_chosen
+from ._redo_kernel import redo_detected, redo_kernel_applies, redo_kernel_wanted
 from ._rows import row_sums
 
 __all__ = [
@@ -280,15 +280,11 @@ def _checked_gemms(
 
 
 def _redo_kernel_applies(a, b, out_dtype, policy: FaultPolicy, r: int, k: int, n: int) -> bool:
-    """Whether this GEMM's detected blocks are redone by the device kernel (``_redo_kernel``): a GEMM
-    it takes (bf16 / f16 operands, tiled blocks) under ``recompute_kernel=True``, or under the
-    default None where it is chosen (:func:`redo_kernel_chosen`: a GPU that runs it, no
-    ``recompute_blocks``)."""
-    if policy.recompute_kernel is False or (
-        policy.recompute_kernel is None and not redo_kernel_chosen(policy)
-    ):
-        return False
-    return redo_kernel_applies(a, b, out_dtype, policy.block_n, r, k, n)
+    """Whether this GEMM's detected blocks are redone by the device kernel (``_redo_kernel``): the
+    policy asks for it here (``redo_kernel_wanted``: ``recompute_kernel=True``, or the default None
+    on a GPU that runs it without ``recompute_blocks``) and the GEMM is one it takes (bf16 / f16
+    operands, tiled blocks)."""
+    return redo_kernel_wanted(policy) and redo_kernel_applies(a, b, out_dtype, policy.block_n, r, k, n)
 
 
 def _redo_kw(policy: FaultPolicy) -> dict:
@@ -381,8 +377,7 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
     _margins.record(role, y[None], c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
     flags = fused_flags(sums, c[0], mag[0], k, policy.lam)
-    kernel = policy.recompute_kernel or (policy.recompute_kernel is None and redo_kernel_chosen(policy))
-    if policy.recompute and kernel:  # every detected block, on the device kernel
+    if policy.recompute and redo_kernel_wanted(policy):  # every detected block, on the device kernel
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
         zeros = jnp.zeros(flags.shape, jnp.int32)  # nothing gated yet: the fused path has no finish
         y, gated, still, redone = redo_detected(

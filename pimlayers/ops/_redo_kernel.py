@@ -56,7 +56,7 @@ from ._abft import ABFT_CLEAN, ABFT_DETECTED
 from ._fused_check import sums_flags
 from ._redo_sharding import partitioned
 
-__all__ = ["redo_detected", "redo_kernel_applies", "redo_kernel_chosen"]
+__all__ = ["redo_detected", "redo_kernel_applies", "redo_kernel_chosen", "redo_kernel_wanted"]
 
 _BM = 128  # rows per program
 _BN = 128  # columns per tile (the block width where that is narrower)
@@ -120,6 +120,13 @@ def redo_kernel_chosen(policy) -> bool:
         return False
     d = _first_device()
     return d is not None and d.platform != "cpu" and _device_runs_it()
+
+
+def redo_kernel_wanted(policy) -> bool:
+    """Whether ``policy`` asks for the kernel here: ``recompute_kernel`` as given, or where it is None
+    (the default), :func:`redo_kernel_chosen`'s answer. (The GEMM must still be one it takes:
+    :func:`redo_kernel_applies`.)"""
+    return policy.recompute_kernel if policy.recompute_kernel is not None else redo_kernel_chosen(policy)
 
 
 def _device_runs_it() -> bool:
