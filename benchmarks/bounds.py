@@ -114,8 +114,11 @@ def _same_bwd(got: dict, want: dict) -> None:
         if name in _BWD_SUMS:
             _same_tile(f"the backward's Pallas {name}", a, w, _BWD_SUMS[name], _BWD_MAGS.get(name))
             continue
+        # f32 rows within 2^-20 of their largest; the bf16 qm tile within one rounding (its f32
+        # value may round across a bf16 boundary the other way)
+        rel = 2.0**-7 if jnp.result_type(a) == jnp.bfloat16 else 2.0**-20
         a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
-        if not np.max(np.abs(a - w), initial=0.0) <= 2.0**-20 * np.max(np.abs(w), initial=0.0):
+        if not np.max(np.abs(a - w), initial=0.0) <= rel * np.max(np.abs(w), initial=0.0):
             raise AssertionError(f"bounds: the backward's Pallas {name} differs from XLA's")
 
 

@@ -24,9 +24,14 @@ dk/dv kernel (per key row c, over the group's query heads and query blocks i of 
   row of do, q summed over D), from two small wgmmas into one accumulator (N = 8: the dod tile's
   rows are [hi, lo, ‖do_q‖₁, 0 x 5], the qd tile's [0 x 3, hi, lo, 0 x 3]), whose third column is
   the magnitude Σ p·‖do‖₁ (p >= 0). dk's magnitude Σ |ds|·‖q‖₁ is bounded per query block by
-  Σ |ds| (summed in registers) times the block's largest ‖q‖₁ (for Gaussian q about 1.2 times the
-  block's mean, so about that much looser): a third wgmma, of |ds| against ‖q‖₁, kept another
-  register operand live, and the backward took 5.13 ms against 4.57 at T = 8192, 32/8 heads (H200).
+  Σ |ds| times the block's largest ‖q‖₁ (for Gaussian q about 1.2 times the block's mean, so about
+  that much looser), on the tensor cores: a third small wgmma into the same accumulator, |ds16|
+  against the ``qm`` tile (row 5: each query block's largest ‖q‖₁, rounded up to bf16). It replaced
+  an f32 sum of |ds| per element per step beside the softmax (and an earlier third wgmma with an
+  accumulator of its own, which kept another register operand live: 5.13 ms against 4.57 on an
+  H200): on an H100 (2026-12-05, T = 8192, 32/8 heads, B = 1, two rounds in alternating
+  processes) the verified backward took 4.11-4.12 ms against 4.32-4.34 (its two Mosaic kernels 3.85
+  against 4.08; without checks 3.09 either way).
 
 Bounds (``lam`` as :class:`pimlayers.FaultPolicy`'s; u = 2^-24):
 
@@ -75,6 +80,10 @@ __all__ = [
 ]
 
 _LN2 = math.log(2.0)
+# The dk/dv kernel's check accumulator (keys x CS), shared by four small wgmmas per step: p16 against
+# [dod hi, dod lo, ‖do‖₁] (columns 0-2), ds16 against qd's rows 3 and 4, and |ds16| against qm's
+# row 5 (dk's magnitude, Σ |ds|·max ‖q‖₁ on the tensor cores).
+_QM_ROW = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +205,13 @@ def _tile_mag(hi, lo, mag):
     return jnp.concatenate([*rows, jnp.zeros((*hi.shape[:-1], CS - 3, hi.shape[-1]), hi.dtype)], axis=-2)
 
 
-def _with_qm(bounds: dict, q1max, bk: int) -> dict:
+def _with_qm(bounds: dict, q1max, bq: int, dtype) -> dict:
     """``bounds`` with the ``qm`` tile from each query block's largest ‖q‖₁ (B, H, T/bq)."""
-    # 1 + 2^-7: the kernel sums the f32 |ds|, the dk GEMM multiplies ds rounded to bf16 (<= 2^-8).
-    qm = q1max * (1 + 2.0**-7)
-    return bounds | dict(qm=jnp.broadcast_to(qm[..., None], (*qm.shape, bk)))
+    # Rounded up: x (1 + 2^-7), then to the nearest bf16 (within 2^-8), is at least the maximum.
+    qm = (q1max * (1 + 2.0**-7)).astype(dtype)
+    rows = [jnp.zeros((*qm.shape, 1, bq), dtype)] * CS
+    rows[_QM_ROW] = jnp.broadcast_to(qm[..., None, None], (*qm.shape, 1, bq))
+    return bounds | dict(qm=jnp.concatenate(rows, axis=-2))
 
 
 def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None = None, out=None) -> dict:
@@ -209,8 +220,9 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
     Tiles (operands' dtype): ``ks``, ``vs`` (B, KV, S/bk, CS, D) and ``qs``, ``dos`` (B, H, T/bq, CS, D)
     hi/lo rows of each block's row sum; ``kd`` (B, KV, S/bk, CS, bk) and ``dod`` (B, H, T/bq, CS, bq)
     hi/lo rows of each row summed over D, then its L1 norm; ``qd`` (B, H, T/bq, CS, bq) the same sums
-    in rows 3 and 4 (dk's check shares dv's accumulator), no norm; ``qm`` (B, H, T/bq, bk) f32 each
-    query block's largest ‖q‖₁ (x (1 + 2^-7)), repeated for the kernel's key rows. Rows (f32): the block
+    in rows 3 and 4 (dk's check shares dv's accumulator), no norm; ``qm`` (B, H, T/bq, CS, bq) each
+    query block's largest ‖q‖₁ rounded up to bf16 in row 5 of every query's column, zeros elsewhere
+    (the kernel's |ds|·qm in that accumulator's column 5). Rows (f32): the block
     checks' bounds ``tol_s``, ``tol_dp`` (B, H, T) and ``tol_st``, ``tol_dpt`` (B, KV, S). Scalars:
     ``c_dq``, ``c_kv``, the accumulated checks' factors (times the kernel's measured magnitudes). Given
     ``out`` (q's shape), also ``delta`` (B, H, T) f32: rowsum(do ∘ out), from do's same read.
@@ -240,7 +252,7 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
             cuda=functools.partial(flash_bwd_bounds_kernel, **kw),
             default=functools.partial(flash_bwd_bounds_kernel, **kw, interpret=True),
         )
-        return _with_qm(res, res.pop("q1max"), bk) | dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
+        return _with_qm(res, res.pop("q1max"), bq, q.dtype) | dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
     # Block sums and |block| sums (B, L/n, heads, D), materialised before the tiles are built (XLA
     # fused into the concatenation recomputed them per element in the forward's bounds).
     blk = lax.optimization_barrier(
@@ -276,7 +288,7 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
     )
     rows_t = lambda x: x.transpose(0, 2, 1)  # (B, L, heads) -> (B, heads, L)
     return (
-        _with_qm(tiles, jnp.max(blocks(q1, bq), axis=-1), bk)
+        _with_qm(tiles, jnp.max(blocks(q1, bq), axis=-1), bq, q.dtype)
         | dict(
             tol_s=c_b * rows_t(qt),
             tol_dp=c_b * rows_t(dot),
@@ -775,9 +787,9 @@ def flash_attention_bwd_reference(
     dod = grp(hilo(bd["dod"]).reshape(b, h, t))
     qd = grp(hilo(bd["qd"], (3, 4)).reshape(b, h, t))
     do1 = grp(hilo(bd["dod"], (2,)).reshape(b, h, t))
-    qm = grp(bd["qm"][..., 0])  # (B, KV, G, T/bq): each query block's largest ‖q‖₁, scaled
+    qm = grp(hilo(bd["qm"], (_QM_ROW,)).reshape(b, h, t))  # each query's block's largest ‖q‖₁, rounded up
     tol_dv = bd["c_kv"] * jnp.einsum("bkgst,bkgt->bks", f32(p16), do1, precision=hi)
-    tol_dk = bd["c_kv"] * jnp.einsum("bkgsj,bkgj->bks", qblk(jnp.abs(ds)), qm, precision=hi)
+    tol_dk = bd["c_kv"] * jnp.einsum("bkgst,bkgt->bks", jnp.abs(f32(ds16)), qm, precision=hi)
     cv = jnp.einsum("bkgst,bkgt->bks", f32(p16), dod, precision=hi)
     ck = jnp.einsum("bkgst,bkgt->bks", f32(ds16), qd, precision=hi)
     r_dv = _ratio(jnp.sum(dv_acc, -1) - cv, tol_dv)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._flash import CS, _flip, _load, _ratio, _stream, _tile_sum
-from ._flash_bwd import _K_GEMMS, _hilo, _launch, _own_inputs, _scoped, _zeros
+from ._flash_bwd import _K_GEMMS, _QM_ROW, _hilo, _launch, _own_inputs, _scoped, _zeros
 
 __all__ = ["dkv_call"]
 
@@ -87,7 +87,7 @@ def dkv_call(
     names = [n for n in _K_GEMMS if n in flips]
     dh = d // 2  # fused: each warpgroup's half of dq's columns
     n_in = n_rows + 2 * len(names)
-    wl, cl, rl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA.reduce(1)
+    wl, cl = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
     n_t = (6 if fused else 5) if checks else 0
     diag = (2 * bk) // bq  # query blocks that overlap a CTA's keys (causal): the masked ones
 
@@ -169,7 +169,7 @@ def dkv_call(
                     plgpu.copy_smem_to_gmem(crow.at[w], dst.at[batch, head, rs], reduction_op="add")
 
             def step(n, carry, masked: bool):
-                dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = carry
+                dk_acc, dv_acc, cc, r_st, r_dpt = carry
                 slot = lax.rem(n, jnp.array(stages, n.dtype))
                 head, i = block_of(n)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -205,9 +205,6 @@ def dkv_call(
                 p16 = p.astype(dtype)
                 ds = p * (dpt - cols_b(dl, (bk, bq)))
                 ds16 = ds.astype(dtype)
-                if checks:
-                    # dk's magnitude: this block's Σ |ds| per key row times its largest ‖q‖₁.
-                    mag_k = mag_k + jnp.abs(ds).sum(axis=1) * _load(plgpu, qm_smem.at[slot], rl)
                 if fused:
                     # This step's ds for dq, once both warpgroups' dq GEMMs of the last step read
                     # theirs. (dk's GEMMs take ds from registers: from this tile they ran 0.4 ms
@@ -229,6 +226,10 @@ def dkv_call(
                     plgpu.wgmma(dk_ref_, ds16, q_smem.at[slot, pl.ds(0, bq)])
                     if checks:
                         plgpu.wgmma(c_ref, ds16, qd_smem.at[slot].transpose((1, 0)))
+                        # dk's magnitude, Σ |ds16| times the block's largest ‖q‖₁, in column 5: on
+                        # the tensor cores, where the f32 sum of |ds| per step cost a FADD per
+                        # element beside the softmax.
+                        plgpu.wgmma(c_ref, jnp.abs(ds16), qm_smem.at[slot].transpose((1, 0)))
 
                 init = lambda x: plgpu.ACC.init(x) if x is not None else None
                 dk_acc, dv_acc, cc = pl.run_state(mms)((init(dk_acc), init(dv_acc), init(cc)))
@@ -238,10 +239,10 @@ def dkv_call(
                     plgpu.barrier_wait(ds_bars.at[0])
                     for w in range(2):
                         pl.when(wg == w)(functools.partial(dq_step, w, head, i))
-                return dk_acc, dv_acc, cc, mag_k, r_st, r_dpt
+                return dk_acc, dv_acc, cc, r_st, r_dpt
 
             c8 = zeros((bk, CS)) if checks else None
-            carry = (zeros((bk, d)), zeros((bk, d)), c8, row0() if checks else None, row0(), row0())
+            carry = (zeros((bk, d)), zeros((bk, d)), c8, row0(), row0())
 
             def head(hh, carry):
                 n0 = hh * count
@@ -250,7 +251,7 @@ def dkv_call(
                     return lax.fori_loop(n0 + diag, n0 + count, functools.partial(step, masked=False), carry)
                 return lax.fori_loop(n0, n0 + count, functools.partial(step, masked=False), carry)
 
-            dk_acc, dv_acc, cc, mag_k, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
+            dk_acc, dv_acc, cc, r_st, r_dpt = lax.fori_loop(0, g, head, carry)
             for name in ("dv", "dk"):
                 if name in fl:
                     bit, col = fl[name]
@@ -263,6 +264,7 @@ def dkv_call(
             outs = []
             if checks:
                 r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cc), c_sum * _hilo(plgpu, cc, (2,)))
+                mag_k = _hilo(plgpu, cc, (_QM_ROW,))
                 r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, cc, (3, 4)), c_sum * mag_k)
                 outs = [r_st, r_dpt, r_dv, r_dk]
             if fused:  # the other warpgroup's last dq GEMM reads this one's k rows: wait before staging
@@ -314,7 +316,7 @@ def dkv_call(
             plgpu.SMEM((stages, qn, d), dtype, transforms=tf),
             plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
             plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,
-            plgpu.SMEM((stages, bk), jnp.float32) if checks else None,
+            plgpu.SMEM((stages, CS, bq), dtype, transforms=tf) if checks else None,  # qm
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, max(n_rows, 4), bk), jnp.float32),
