@@ -303,7 +303,7 @@ def _kernel_call(
     cfg: FlashConfig,
 ):
     """The pallas kernel. ``extras``: (ks, vs, km) (:func:`flash_bounds`) if ``checks``, then the
-    four FlashFaults arrays if ``inject``. Returns out, lse (base 2, of the scaled scores) and, with
+    four FlashFaults arrays if ``inject``. Returns out, lse (natural log, of the scaled scores) and, with
     checks, the two ratio rows."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -507,7 +507,9 @@ def _kernel_call(
             acc /= lax.broadcast_in_dim(l_i, (bq, d), [0])
             qo[...] = acc.astype(dtype)
             lse_s = rows_f.at[wg, 0]
-            lse_s[...] = m_i + jnp.log(l_i) * (1.0 / math.log(2.0))
+            # m_i is in base 2 (the softmax's exp2): the natural-log lse in the kernel, not by an
+            # XLA multiply after it (a kernel of its own, 2.8 us at B = 1, T = 8192, 32 heads).
+            lse_s[...] = m_i * math.log(2.0) + jnp.log(l_i)
             if checks:
                 rows_f.at[wg, 1][...] = _ratio(r_qk, tol_qk)
                 rows_f.at[wg, 2][...] = r_pv
@@ -676,9 +678,7 @@ def flash_attention(
     res = _kernel_call(
         q, k, v, extras, causal=causal, scale=scale, checks=checks, inject=faults is not None, cfg=cfg
     )
-    out, lse2 = res[0], res[1]
-    lse = lse2 * jnp.float32(math.log(2.0))
-    return out, lse, (FlashChecks(res[2], res[3]) if checks else None)
+    return res[0], res[1], (FlashChecks(res[2], res[3]) if checks else None)
 
 
 def flash_attention_reference(
