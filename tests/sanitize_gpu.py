@@ -18,10 +18,11 @@ and its backward kernels have their own cases, run with ``python tests/sanitize_
 ``K='regex=mosaic'`` (the kernels are named ``entry_mosaic_gpu_kernel``). On an H200 (2026-12-01,
 docs/gpu-tests.md) memcheck passed the forward's cases and then failed with CUDA_ERROR_INVALID_PC at
 the first backward case; racecheck failed inside the tool at the first forward case: not clean.
-The device redo's Triton kernel has ``python tests/sanitize_gpu.py redo``, run with no
-``--kernel-name`` filter (Triton names the kernel after its Pallas body) and
+The device redo's Triton kernel has ``python tests/sanitize_gpu.py redo``, run with
+``--kernel-name regex=redo`` (the kernel is named ``pimlayers_redo_detected``) and
 ``XLA_FLAGS=--xla_gpu_autotune_level=0`` (its cases form bf16 GEMMs with XLA, whose autotuning the
-tool cannot run); not yet run under the tool.
+tool cannot run): memcheck clean on an H100 (2026-12-05, docs/gpu-tests.md); without the filter the
+tool crashed before the first case.
 
 The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
 crashed the tool itself part-way (seen on an H200 with compute-sanitizer 2025.3.1), at a different
