@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import time
 
 import jax
@@ -764,6 +765,57 @@ def test_step_ab_refuses_a_setting_that_is_not_name_equals_value():
         step_ab.main(["--env", "PIMLAYERS_ABFT_ROW_KERNEL"])
     with pytest.raises(ValueError, match="give the variant's setting"):
         step_ab.main([])
+
+
+def test_rev_ab_summary_takes_medians_over_rounds_against_the_working_tree():
+    from benchmarks import rev_ab
+
+    res = lambda us: {"timer": "wall", "native": ["cpu"], "ops": {"fwd": {"us": us, "top": ""}}}
+    runs = [("working tree", 0, res(100.0)), ("abc", 0, res(90.0)), ("working tree", 1, res(110.0)),
+            ("abc", 1, res(80.0)), ("working tree", 2, res(104.0)), ("abc", 2, res(88.0))]  # fmt: skip
+    rows = rev_ab.summarize(runs)
+    assert len(rows) == 8 and [r["round"] for r in rows[:6]] == [0, 0, 1, 1, 2, 2]
+    tree, other = rows[6], rows[7]
+    assert (tree["variant"], tree["us"], tree["rounds"], tree["vs_base"]) == ("working tree", 104.0, 3, 1.0)
+    assert (other["variant"], other["us"]) == ("abc", 88.0)
+    assert other["vs_base"] == pytest.approx(104.0 / 88.0)  # > 1: the other revision is faster
+
+
+def test_rev_ab_refuses_what_it_cannot_run():
+    from benchmarks import rev_ab
+
+    with pytest.raises(ValueError, match="give a revision"):
+        rev_ab.main(["--case", "matmul"])
+    with pytest.raises(ValueError, match="expected M,K,N"):
+        rev_ab.main(["--rev", "HEAD", "--case", "matmul", "--shape", "64,64"])
+    with pytest.raises(ValueError, match="expected B,T,H,KV,D"):
+        rev_ab.main(["--rev", "HEAD", "--case", "flash", "--shape", "1,2,3,4,x"])
+
+
+def _git_head() -> bool:
+    from benchmarks._harness import ROOT
+
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, check=False)
+    return out.returncode == 0
+
+
+@pytest.mark.skipif(not _git_head(), reason="not a git checkout")
+def test_rev_ab_times_each_revision_with_its_own_package(tmp_path, monkeypatch, capsys):
+    # Two processes (the working tree's package, HEAD's), each importing the package copied for it
+    # (main refuses a run that imported another) with the extension modules this environment built.
+    from benchmarks import _harness, rev_ab
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    rev_ab.main(["--rev", "HEAD", "--case", "matmul", "--shape", "64,96,256", "--rounds", "1", "--reps", "1"])
+    (path,) = tmp_path.glob("*-rev-ab-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    pooled = {(r["variant"], r["op"]): r for r in rows if r["round"] == "all"}
+    assert set(pooled) == {(v, op) for v in ("working tree", "HEAD") for op in ("plain", "protected")}
+    assert all(r["us"] > 0 and r["vs_base"] > 0 for r in pooled.values())
+    out = capsys.readouterr().out
+    assert "round 0 working tree" in out and "round 0 HEAD" in out
+    with pytest.raises(ValueError, match="git archive failed"):
+        rev_ab.main(["--rev", "no-such-revision-here", "--case", "matmul", "--shape", "8,8,8"])
 
 
 def test_kernel_times_need_a_device_timeline():

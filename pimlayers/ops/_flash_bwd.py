@@ -252,7 +252,8 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
             cuda=functools.partial(flash_bwd_bounds_kernel, **kw),
             default=functools.partial(flash_bwd_bounds_kernel, **kw, interpret=True),
         )
-        return _with_qm(res, res.pop("q1max"), bq, q.dtype) | dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
+        consts = dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
+        return _with_qm(res, res.pop("q1max"), bq, q.dtype) | consts
     # Block sums and |block| sums (B, L/n, heads, D), materialised before the tiles are built (XLA
     # fused into the concatenation recomputed them per element in the forward's bounds).
     blk = lax.optimization_barrier(

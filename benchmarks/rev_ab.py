@@ -1,0 +1,292 @@
+"""Kernels of the working tree against other revisions' in alternating processes, side by side.
+
+python -m benchmarks.rev_ab --rev 6ed0dce --case flash --rounds 2
+
+A change to a kernel is timed against the code before it: each variant's ``pimlayers`` package (the
+working tree's, and each ``--rev``'s, exported with ``git archive``) is copied into a folder of its
+own with the built extension modules this process imports (so ``--rev`` must not predate a change to
+the native handlers' interfaces), and timed in processes of its own, alternating between the
+variants for ``--rounds`` rounds so that a drift of the machine falls on all of them. The timing
+code is this tree's (``benchmarks``, ``models``, ``train``); only the package differs. A child
+imports it with Python's site processing off (``-S``) and the environment's site-packages folders
+appended: an editable install's import hook would otherwise map ``pimlayers`` to this tree whatever
+the path says. Each child reports where its ``pimlayers`` came from, and the parent refuses a run
+that imported the wrong one.
+
+Cases (``--case``), each at ``--shape``:
+
+* ``flash`` (Hopper GPUs): the verified flash attention's forward and backward, and both with the
+  checks off (and with the opt-in bounds kernels where the variant has them); shape B,T,H,KV,D
+  (default 1,8192,32,8,128), bf16.
+* ``matmul``: the protected GEMM's forward (the default FaultPolicy) and the plain one; shape M,K,N
+  (default 8192,4096,14336), bf16 (``--dtype``).
+
+Time per call: the device kernels' own time from a profiler trace (``profile.kernel_us``, three
+calls), the median over ``--reps`` repetitions; where the trace has no device timeline (a CPU) the
+wall time of jitted calls (``_harness.time_fn``). Rows: per variant, round and op the time (and,
+with kernel times, ``top``: the kernels of at least 2% of it, µs each); per variant and op the
+median over the rounds with ``vs_base`` = the working tree's median / the variant's (> 1: the
+variant is faster).
+Results go to ``benchmarks/results/<date>-rev-ab[-TAG]-<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import site
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+from ._harness import ROOT, command_line, write_result
+
+__all__ = ["main", "measure", "summarize"]
+
+CASES = ("flash", "matmul")
+_DEFAULT_SHAPES = {"flash": (1, 8192, 32, 8, 128), "matmul": (8192, 4096, 14336)}
+_MARK = "REV_AB "
+
+
+def _parse_shape(case: str, text: str | None) -> tuple[int, ...]:
+    want = len(_DEFAULT_SHAPES[case])
+    if text is None:
+        return _DEFAULT_SHAPES[case]
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != want or min(shape) <= 0:
+        names = "B,T,H,KV,D" if case == "flash" else "M,K,N"
+        raise ValueError(
+            f"benchmarks.rev_ab: --shape {text!r} for case {case!r}; expected {names} (positive)"
+        )
+    return shape
+
+
+def _ops(case: str, shape: tuple[int, ...], dtype: str) -> dict:
+    """``{name: (jitted fn, args)}`` for one case, from the ``pimlayers`` this process imported."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import pimlayers
+    from pimlayers import ops
+
+    dt = jnp.dtype(dtype)
+    if case == "matmul":
+        m, k, n = shape
+        kx, kw = jax.random.split(jax.random.key(0))
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(dt)
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / k**0.5).astype(dt)
+        policy = pimlayers.FaultPolicy()
+        enc = ops.abft_encode(w, policy.block_n)
+        prot = jax.jit(lambda x, w, e: ops.protected_matmul(x, w, e, policy=policy)[0])
+        return {"plain": (jax.jit(jnp.matmul), (x, w)), "protected": (prot, (x, w, enc))}
+    b, t, h, kv, d = shape
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dt)
+    k = jax.random.normal(ks[1], (b, t, kv, d), jnp.float32).astype(dt)
+    v = jax.random.normal(ks[2], (b, t, kv, d), jnp.float32).astype(dt)
+    g = jax.random.normal(ks[3], (b, t, h, d), jnp.float32).astype(dt)
+    out, lse, _ = ops.flash_attention(q, k, v)
+    bwd = (q, k, v, out, lse, g)
+    table = {
+        "fwd verified": (jax.jit(ops.flash_attention), (q, k, v)),
+        "fwd off": (jax.jit(functools.partial(ops.flash_attention, checks=False)), (q, k, v)),
+        "bwd verified": (jax.jit(ops.flash_attention_bwd), bwd),
+        "bwd off": (jax.jit(functools.partial(ops.flash_attention_bwd, checks=False)), bwd),
+    }
+    # The opt-in bounds kernels, where this variant has them (older revisions do not).
+    if "bounds_kernel" in getattr(ops.FlashConfig, "__dataclass_fields__", {}):
+        cfg = ops.FlashConfig(bounds_kernel=True)
+        table["fwd verified, bounds kernel"] = (
+            jax.jit(functools.partial(ops.flash_attention, config=cfg)),
+            (q, k, v),
+        )
+    if "bounds_kernel" in getattr(ops.FlashBwdConfig, "__dataclass_fields__", {}):
+        cfg = ops.FlashBwdConfig(bounds_kernel=True)
+        table["bwd verified, bounds kernel"] = (
+            jax.jit(functools.partial(ops.flash_attention_bwd, config=cfg)),
+            bwd,
+        )
+    return table
+
+
+def measure(case: str, shape: tuple[int, ...], dtype: str = "bfloat16", reps: int = 3) -> dict:
+    """In a child: ``{"pimlayers": its file, "native": the platforms its native handlers loaded for,
+    "timer": "kernels" | "wall", "ops": {name: {"us", "top"}}}``."""
+    import jax
+
+    import pimlayers
+
+    from ._harness import time_fn
+    from .profile import kernel_us
+
+    res = {}
+    timer = "kernels"
+    for name, (fn, args) in _ops(case, shape, dtype).items():
+        jax.block_until_ready(fn(*args))  # compiled before anything is timed
+        runs = [kernel_us(fn, *args) for _ in range(reps)] if timer == "kernels" else []
+        if timer == "kernels" and not any(runs):
+            timer = "wall"  # no device timeline (a CPU): this op and the rest by the wall clock
+        if timer == "wall":
+            res[name] = {"us": 1e6 * time_fn(fn, *args), "top": ""}
+            continue
+        total = statistics.median(sum(r.values()) for r in runs)
+        names = {kk for r in runs for kk, us in r.items() if us >= 0.02 * total}
+        top = {kk: statistics.median(r.get(kk, 0.0) for r in runs) for kk in names}
+        # The largest kernels as one readable cell: "name us; ..." (names cut to 60 characters)
+        cell = "; ".join(f"{kk[:60]} {us:.1f}" for kk, us in sorted(top.items(), key=lambda t: -t[1]))
+        res[name] = {"us": total, "top": cell}
+    from pimlayers._native import has_native
+
+    native = [p for p in ("cpu", "cuda") if has_native(p)]
+    return {"pimlayers": pimlayers.__file__, "native": native, "timer": timer, "ops": res}
+
+
+def summarize(runs: list[tuple[str, int, dict]]) -> list[dict]:
+    """Rows from (variant, round, child result): one per (variant, round, op), then one per (variant,
+    op) with the median over its rounds and ``vs_base`` = the first variant's median / its own."""
+    rows, pooled = [], {}
+    for variant, rnd, res in runs:
+        for op, r in res["ops"].items():
+            rows.append(dict(variant=variant, round=rnd, op=op, us=r["us"], timer=res["timer"], top=r["top"]))
+            pooled.setdefault((variant, op), []).append(r["us"])
+    base_variant = runs[0][0] if runs else None
+    for (variant, op), us in pooled.items():
+        med = statistics.median(us)
+        base = pooled.get((base_variant, op))
+        vs = statistics.median(base) / med if base and med > 0 else None
+        rows.append(dict(variant=variant, round="all", op=op, us=med, rounds=len(us), vs_base=vs))
+    return rows
+
+
+def _extension_files() -> list[pathlib.Path]:
+    """The built extension modules this environment imports for ``pimlayers`` (asked of a child:
+    importing the package here would start jax in the parent)."""
+    code = (
+        "import importlib.util as u, pimlayers, pathlib\n"
+        "for m in ('_pimlayers_cpu', '_pimlayers_cuda'):\n"
+        "    s = u.find_spec('pimlayers.' + m)\n"
+        "    print(s.origin if s and s.origin else '')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=ROOT)
+    return [pathlib.Path(p) for p in out.stdout.split() if p and pathlib.Path(p).is_file()]
+
+
+def _export(rev: str | None, dest: pathlib.Path, extensions: list[pathlib.Path]) -> None:
+    """``dest/pimlayers``: the working tree's package (rev None) or revision ``rev``'s, with the
+    extension modules copied in."""
+    dest.mkdir(parents=True)
+    if rev is None:
+        shutil.copytree(ROOT / "pimlayers", dest / "pimlayers", ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "pimlayers"],
+            capture_output=True,
+            check=False,
+        )
+        if out.returncode != 0:
+            msg = out.stderr.decode(errors="replace").strip()
+            raise ValueError(f"benchmarks.rev_ab: --rev {rev!r}: git archive failed: {msg}")
+        tar = dest / "pkg.tar"
+        tar.write_bytes(out.stdout)
+        with tarfile.open(tar) as tf:
+            tf.extractall(dest, filter="data")
+        tar.unlink()
+    for ext in extensions:
+        shutil.copy2(ext, dest / "pimlayers" / ext.name)
+
+
+_CHILD = f"""
+import json, sys
+cfg = json.loads(sys.argv[1])
+sys.path[:0] = [cfg["tree"], cfg["root"]]
+sys.path += cfg["site"]
+from benchmarks.rev_ab import measure
+res = measure(cfg["case"], tuple(cfg["shape"]), cfg["dtype"], cfg["reps"])
+print({_MARK!r} + json.dumps(res), flush=True)
+"""
+
+
+def _site_dirs() -> list[str]:
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--rev", action="append", default=[], help="a git revision to time against the working tree"
+    )
+    ap.add_argument("--case", choices=CASES, default="flash")
+    ap.add_argument("--shape", default=None, help="flash: B,T,H,KV,D; matmul: M,K,N")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="profiled calls per op and process")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child process")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args(argv)
+    if not args.rev:
+        raise ValueError("benchmarks.rev_ab: give a revision to compare with, --rev REV")
+    if args.rounds < 1 or args.reps < 1:
+        raise ValueError(f"benchmarks.rev_ab: --rounds {args.rounds}, --reps {args.reps}; expected >= 1")
+    shape = _parse_shape(args.case, args.shape)
+    extensions = _extension_files()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = [("working tree", None), *((rev, rev) for rev in args.rev)]
+        trees = {}
+        for i, (name, rev) in enumerate(variants):
+            trees[name] = pathlib.Path(tmp) / f"v{i}"
+            _export(rev, trees[name], extensions)
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        for r in range(args.rounds):
+            for name, _ in variants:
+                cfg = dict(
+                    tree=str(trees[name]), root=str(ROOT), site=_site_dirs(), case=args.case, shape=shape,
+                    dtype=args.dtype, reps=args.reps,
+                )  # fmt: skip
+                out = subprocess.run(
+                    [sys.executable, "-S", "-c", _CHILD, json.dumps(cfg)],
+                    env=env, capture_output=True, text=True, check=False, timeout=args.timeout, cwd=tmp,
+                )  # fmt: skip
+                line = next((x for x in out.stdout.splitlines() if x.startswith(_MARK)), None)
+                if out.returncode != 0 or line is None:
+                    raise RuntimeError(f"benchmarks.rev_ab: the {name} run failed:\n{out.stderr[-3000:]}")
+                res = json.loads(line[len(_MARK) :])
+                if not pathlib.Path(res["pimlayers"]).resolve().is_relative_to(trees[name].resolve()):
+                    raise RuntimeError(
+                        f"benchmarks.rev_ab: the {name} run imported pimlayers from {res['pimlayers']}, "
+                        f"expected {trees[name]}"
+                    )
+                if runs and res["native"] != runs[0][2]["native"]:
+                    raise RuntimeError(
+                        f"benchmarks.rev_ab: the {name} run loaded native handlers for {res['native']}, "
+                        f"the first run for {runs[0][2]['native']} (the extension modules copied in "
+                        "do not load with that revision's package?)"
+                    )
+                runs.append((name, r, res))
+                times = "  ".join(f"{op} {v['us']:.1f}" for op, v in res["ops"].items())
+                native = ", ".join(res["native"]) or "none"
+                print(f"round {r} {name} ({res['timer']}, us; native: {native}): {times}", flush=True)
+    rows = summarize(runs)
+    for row in rows:
+        if row["round"] == "all":
+            vs = "" if row["vs_base"] is None else f"  vs_base={row['vs_base']:.4f}"
+            print(f"{row['variant']}: {row['op']} {row['us']:.1f} us{vs}")
+    print(
+        "wrote", write_result("rev-ab", rows, command_line("benchmarks.rev_ab"), tag=args.tag, note=args.note)
+    )
+
+
+if __name__ == "__main__":
+    main()
