@@ -17,6 +17,9 @@ device kernel), timed in the same run at 128-column blocks on a Hopper GPU only.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +27,9 @@ import numpy as np
 from pimlayers import FaultPolicy, native_info, ops
 from pimlayers.faults import GemmFaults
 from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm, pair_applies
+from pimlayers.ops._checks_kernel import checks_kernel, checks_kernel_applies
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
-from pimlayers.ops._redo_kernel import redo_kernel_chosen
+from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
 
 from ._harness import time_fn, time_pair
 
@@ -130,6 +134,54 @@ def _redo_kernel_timed(dtype, policy: FaultPolicy) -> bool:
     """Whether the default redoes on the device kernel here (a GPU that runs it; bf16 / f16 GEMMs), so
     that the suite also times the loop it replaced."""
     return redo_kernel_chosen(policy) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def _checks_kernel_timed(x, enc: WeightChecksums) -> bool:
+    """Whether the opt-in one-read checks kernel (``_checks_kernel``) runs here and takes these
+    checks (f32-accurate: 3 + 2 terms, as ``abft_checks`` without λ forms them)."""
+    gpu = jax.devices()[0].platform != "cpu" and _device_runs_it()
+    return gpu and checks_kernel_applies(x, enc.sums, 3, 2, False)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _asking_for_checks_kernel(fn):
+    """``fn`` (jitted) traced with ``PIMLAYERS_CHECKS_KERNEL=1`` (its first call traces it; later calls
+    reuse that program)."""
+
+    def run(*args):
+        with _env("PIMLAYERS_CHECKS_KERNEL", "1"):
+            return fn(*args)
+
+    return run
+
+
+def _same_checks(what: str, want, got, x, enc: WeightChecksums) -> None:
+    """The kernel's (c, mag) against ``abft_checks``': within 2^-18 of each sum's magnitude (f32
+    accumulation in another order; f32-accurate split terms on both sides)."""
+    k, nb = enc.abs_sums.shape
+    ax = jnp.abs(x.astype(jnp.float32))
+    scales = (
+        jnp.matmul(ax, jnp.abs(enc.sums).reshape(k, 2 * nb), precision="highest").reshape(-1, nb, 2),
+        jnp.matmul(ax, enc.abs_sums, precision="highest"),
+    )
+    for name, a, b, sc in zip(("c", "mag"), want, got, scales, strict=True):
+        err = np.asarray(jnp.abs(a - b) - 2.0**-18 * sc)
+        if not np.all(err <= 0):
+            raise AssertionError(
+                f"{what}: the checks kernel's {name} differs from abft_checks' past f32 rounding"
+            )
 
 
 def _pair_cols(plain, args_p, other, args_q, name: str) -> dict:
@@ -244,6 +296,16 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 fns["protected_redo_blocks"] = protected(policy.replace(recompute_blocks=32))
             if _redo_kernel_timed(dtype, policy):
                 fns["protected_loop"] = protected(policy.replace(recompute_kernel=False))
+            if _checks_kernel_timed(x, enc):  # the opt-in one-read checks, alone and in the GEMM
+                fns["checks_kernel"] = (
+                    jax.jit(lambda xx, s, a: checks_kernel(xx, s, a, 3, 2)),
+                    (x, enc.sums, enc.abs_sums),
+                )
+                fns["protected_checks_kernel"] = (
+                    _asking_for_checks_kernel(protected(policy)[0]),
+                    (x, w, enc),
+                )
+                _same_checks(f"{k}->{n}", (c, mag), fns["checks_kernel"][0](*fns["checks_kernel"][1]), x, enc)
             if block_n == TILE and hopper():  # elsewhere "fused" would time the default again
                 fns["protected_fused"] = protected(policy.replace(fused=True))
                 fns["fused_kernel"] = (jax.jit(fused_gemm), (x, w))
@@ -266,7 +328,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                     _same_encode(
                         f"encode_pair_native ({'transposed' if t else 'plain'}) {k}->{n}", ref, got, width
                     )
-            for name in ("protected", "protected_redo_blocks", "protected_loop", "protected_fused"):
+            timed_protected = ("redo_blocks", "loop", "fused", "checks_kernel")
+            for name in ("protected", *(f"protected_{v}" for v in timed_protected)):
                 if name in fns:
                     _, rep = fns[name][0](x, w, enc)
                     if rep.to_dict()["gemm_detected"]:
@@ -283,6 +346,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 row["ratio_loop"] = row["plain_ms"] / row["protected_loop_ms"]
             if "protected_fused_ms" in row:
                 row["ratio_fused"] = row["plain_ms"] / row["protected_fused_ms"]
+            if "protected_checks_kernel_ms" in row:
+                row["ratio_checks_kernel"] = row["plain_ms"] / row["protected_checks_kernel_ms"]
             rows.append(row)
     return rows
 

@@ -22,7 +22,9 @@ The device redo's Triton kernel has ``python tests/sanitize_gpu.py redo``, run w
 ``--kernel-name regex=redo`` (the kernel is named ``pimlayers_redo_detected``) and
 ``XLA_FLAGS=--xla_gpu_autotune_level=0`` (its cases form bf16 GEMMs with XLA, whose autotuning the
 tool cannot run): memcheck clean on an H100 (2026-12-05, docs/gpu-tests.md); without the filter the
-tool crashed before the first case.
+tool crashed before the first case. The one-read checks kernel (opt-in, ``PIMLAYERS_CHECKS_KERNEL=1``)
+has ``python tests/sanitize_gpu.py checks``, to be run the same way with ``--kernel-name
+regex=checks_kernel``; not yet run under the tool.
 
 The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
 crashed the tool itself part-way (seen on an H200 with compute-sanitizer 2025.3.1), at a different
@@ -73,6 +75,19 @@ def redo_cases() -> list:
     return [
         *[(TR.test_kernel_equals_its_interpreter, (None, *case)) for case in TR.CASES[1:]],
         (TR.test_llama_shape_unlocatable_faults_redone_and_clean_untouched, (None,)),
+    ]
+
+
+def checks_cases() -> list:
+    """The one-read checks kernel (``pimlayers/ops/_checks_kernel.py``): exact against XLA at a ragged
+    and a transposed batch shape, and against the XLA checks at a Llama-3-8B shape."""
+    import test_gpu_checks_kernel as TC
+
+    exact = TC.test_the_kernel_multiplies_exactly_what_xla_does_on_the_gpu
+    return [
+        (exact, (None, 1, 300, 200, 48, 8, False)),
+        (exact, (None, 2, 129, 65, 288, 48, True)),
+        (TC.test_the_kernel_is_the_xla_checks_at_llama_shapes, (None, 4096, 1024)),
     ]
 
 
@@ -131,15 +146,17 @@ def handler_cases(gpu) -> list:
 
 
 def main(argv: list[str]) -> None:
-    """``[flash [fwd|bwd] | redo] [--count | --case I]``: the handlers' cases (or the flash kernels',
-    or the device redo's), all of them, how many there are, or the I-th alone (from 1)."""
+    """``[flash [fwd|bwd] | redo | checks] [--count | --case I]``: the handlers' cases (or the flash
+    kernels', the device redo's or the checks kernel's), all of them, how many there are, or the
+    I-th alone (from 1)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python tests/sanitize_gpu.py")
     ap.add_argument(
         "kernels",
         nargs="*",
-        help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels; 'redo': the device redo",
+        help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels; 'redo': the device redo; "
+        "'checks': the one-read checks kernel",
     )
     one = ap.add_mutually_exclusive_group()
     one.add_argument("--count", action="store_true", help="print the number of cases and stop")
@@ -149,10 +166,14 @@ def main(argv: list[str]) -> None:
         cases = flash_cases(*a.kernels[1:])
     elif a.kernels == ["redo"]:
         cases = redo_cases()
+    elif a.kernels == ["checks"]:
+        cases = checks_cases()
     elif not a.kernels:  # (counting needs no GPU)
         cases = handler_cases(None if a.count else jax.devices("cuda")[0])
     else:
-        ap.error(f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd', 'flash bwd' or 'redo'")
+        ap.error(
+            f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd', 'flash bwd', 'redo' or 'checks'"
+        )
     if a.count:
         print(len(cases))
         return

@@ -733,6 +733,24 @@ def test_matmul_parts_refuses_native_encodes_that_differ_from_the_reference():
         matmul._same_encode("off", want, off, 128)
 
 
+def test_matmul_parts_checks_the_checks_kernel_before_timing_it():
+    # On a GPU matmul-parts times the opt-in checks kernel; first its (c, mag) must be abft_checks'
+    # to f32 rounding. Here under Pallas' interpreter, and a perturbed c refused.
+    from benchmarks import matmul
+    from pimlayers import ops
+    from pimlayers.ops._checks_kernel import checks_kernel
+
+    x = jax.random.normal(jax.random.key(0), (96, 256)).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (256, 384)) / 16).astype(jnp.bfloat16)
+    enc = ops.abft_encode(w, 128)
+    want = ops.abft_checks(x, enc)
+    got = checks_kernel(x, enc.sums, enc.abs_sums, 3, 2)
+    matmul._same_checks("same", want, got, x, enc)
+    off = (got[0].at[5, 1, 0].add(1e-3 * float(jnp.abs(got[0][5, 1, 0]) + 1)), got[1])
+    with pytest.raises(AssertionError, match="off: the checks kernel's c differs"):
+        matmul._same_checks("off", want, off, x, enc)
+
+
 def test_step_ab_summary_pools_steps_per_variant_against_the_first():
     from benchmarks import step_ab
 

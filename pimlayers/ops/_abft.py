@@ -326,7 +326,8 @@ def abft_checks(
     Native on the CPU for x's rows (one pass over x for both, f32 sums; XLA's two narrow GEMMs and
     the |x| between them took 0.14-0.63 ms at 256 x 256-1024 on a 2-core CPU, the native op
     0.04-0.14 on one thread); ``transposed`` too in a CPU-only process with one device (with
-    several, XLA's dots: see below). The GPU keeps XLA's dots.
+    several, XLA's dots: see below). The GPU keeps XLA's dots, or with ``PIMLAYERS_CHECKS_KERNEL=1``
+    (opt-in, one device) a Triton kernel reading x once where the columns fit it (``_checks_kernel``).
 
     ``lam``: the λ of the check these feed (``FaultPolicy.lam``, or ``lam_dw`` for a weight
     gradient). Given, a bf16 x's split-dot checks (the GPU's path, ``_checks_reference``) are formed
@@ -342,6 +343,8 @@ def abft_checks(
         )
     check_impl("abft_checks", impl)
     reference = lambda v, s, a: _checks_reference(v, WeightChecksums(s, a), transposed, lam)
+    if impl == "auto" and x.dtype == jnp.bfloat16:
+        reference = _with_checks_kernel(reference, x, enc, k, transposed, lam)
     if x.shape[-2 if transposed else -1] != k:
         raise ValueError(
             f"pimlayers.abft_checks: x has shape {tuple(x.shape)}; expected K = {k} on its "
@@ -372,6 +375,28 @@ def abft_checks(
     else:  # matmul broadcasting between x's and the weights' leading axes
         native = reference
     return dispatch("abft_checks", impl, native, reference, x, enc.sums, enc.abs_sums, native_on=("cpu",))
+
+
+def _with_checks_kernel(reference, x, enc: WeightChecksums, k: int, transposed: bool, lam):
+    """``reference``, or where this process asked for the one-read checks kernel and it takes these
+    checks (``_checks_kernel``: ``PIMLAYERS_CHECKS_KERNEL=1``, an NVIDIA GPU, one device), the kernel
+    where a GPU lowers them and ``reference`` elsewhere. One device only: the kernel has no
+    partitioning rule, and XLA would gather a split x for it."""
+    from ._checks_kernel import checks_kernel, checks_kernel_applies, checks_kernel_wanted
+
+    c_terms, mag_terms, scale = _check_terms(k, lam)
+    if not (
+        jax.device_count() == 1
+        and checks_kernel_wanted()
+        and checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed)
+    ):
+        return reference
+
+    def kernel(v, s, a):
+        a = a if scale == 1.0 else a * jnp.float32(scale)  # as _checks_reference scales them
+        return checks_kernel(v, s, a, c_terms, mag_terms, transposed=transposed, interpret=False)
+
+    return lambda v, s, a: lax.platform_dependent(v, s, a, cuda=kernel, default=reference)
 
 
 def checks_after(y: jax.Array, x: jax.Array) -> jax.Array:
@@ -478,13 +503,23 @@ def _split_dot(
     x: Float[Array, "*m k"], w: Float[Array, "*g k c"], terms: int, transposed: bool = False
 ) -> Float[Array, "*m c"]:
     """x (bf16) @ w (f32) in f32 via w = sum of ``terms`` bf16 parts: one bf16 GEMM, exact products."""
+    y = _dot_x(x, _split_parts(w, terms), transposed, preferred_element_type=jnp.float32)
+    return _sum_terms(y, terms, w.shape[-1])
+
+
+def _split_parts(w: Float[Array, "*g k c"], terms: int) -> Array:
+    """w's ``terms`` bf16 parts side by side, (*g, K, terms * c), largest first: their sum is w up
+    to 2^-8 per term of each value (f32's 24 bits with three)."""
     parts, rest = [], w
     for _ in range(terms):
         head = _bf16_head(rest)
         parts.append(head.astype(jnp.bfloat16))  # exact: head is a bf16 value
         rest = rest - head  # exact in f32
-    cols = w.shape[-1]
-    y = _dot_x(x, jnp.concatenate(parts, axis=-1), transposed, preferred_element_type=jnp.float32)
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _sum_terms(y: Float[Array, "*m tc"], terms: int, cols: int) -> Float[Array, "*m c"]:
+    """The products of :func:`_split_parts`' terms, (*m, terms * cols), added smallest first."""
     y = y.reshape(*y.shape[:-1], terms, cols)
     out = y[..., terms - 1, :]
     for t in range(terms - 2, -1, -1):  # smallest first

@@ -1,0 +1,196 @@
+"""checks_kernel: a bf16 GEMM's checks, c = x @ [w1, w2] and mag = |x| @ wa, from one read of x.
+
+On a GPU the checks of a protected bf16 GEMM (``_abft._checks_reference``) are two XLA GEMMs of x
+against the weight's checksum columns split into bf16 terms: one against the sums' terms, one of |x|
+against the absolute sums' (``_abft._split_dot``). Each reads x (M x K, as large as the GEMM's own
+operand: 64 MB at 8192 x 4096, 235 MB at 8192 x 14336), and where XLA does not fuse the |x| into its
+GEMM it writes |x| out and reads it again; the columns are few (7 per 128-column block with the
+default λ), so at narrow products these reads, not the multiply, set the time: at 8192 x 4096 ->
+1024 on an H100 the checks took 0.070 ms against the plain GEMM's 0.100 (matmul-parts, 2026-12-05).
+
+Here one Pallas (Triton) kernel reads each (BM rows x BK) tile of x once, takes its absolute value in
+registers and multiplies both against their columns' tiles (bf16 x bf16 products exact in f32,
+accumulated in f32, as the XLA GEMMs do with ``preferred_element_type=f32``). A program holds BM rows
+and every column, so x is read once; the columns are padded to pieces of power-of-two widths
+(Triton's tiles), each its own accumulator: at most ``MAX_COLUMNS`` in all, beyond which (the MLP's
+gate and up, 1,568 columns) the check is a GEMM of its own size and XLA's stays. The terms are then
+added as ``_split_dot`` adds them (smallest first), so the results equal the reference's up to the
+order of the f32 accumulation (the bound's own assumption for c).
+
+Opt-in while it has not run on a GPU: ``PIMLAYERS_CHECKS_KERNEL=1`` in the environment of a process
+with an NVIDIA GPU of compute capability 8.0 or newer (read when a protected GEMM is traced), or
+:func:`checks_kernel` called directly. On a CPU it runs under Pallas' interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+from ._redo_kernel import _device_runs_it, plt
+
+__all__ = ["MAX_COLUMNS", "checks_kernel", "checks_kernel_applies", "checks_kernel_wanted"]
+
+_BM = 64  # rows per program: 128 programs at M = 8192, about one per SM of an H100 / H200
+_BK = 64  # K per step of the dot loop
+_MIN_PIECE = 16  # Triton's smallest dot width
+# Columns (the c and mag terms together, padded) a program accumulates: 64 x 384 f32 over 8 warps is
+# 96 registers a thread. Enough for attention's q/k/v together (368 padded) and every 4096-wide
+# product's checks (224); not the MLP's gate and up (1,568), whose check GEMM XLA keeps.
+MAX_COLUMNS = 384
+
+
+def _pieces(width: int) -> tuple[tuple[int, int], ...]:
+    """``((offset, width), ...)``: ``width`` rounded up to a multiple of 16, cut into power-of-two
+    pieces, largest first (192 -> 128 + 64; 48 -> 32 + 16; 8 -> 16)."""
+    w = -(-width // _MIN_PIECE) * _MIN_PIECE
+    out, off, bit = [], 0, 1 << (w.bit_length() - 1)
+    while w:
+        if w & bit:
+            out.append((off, bit))
+            off += bit
+            w -= bit
+        bit >>= 1
+    return tuple(out)
+
+
+def _padded(width: int) -> int:
+    return sum(w for _, w in _pieces(width))
+
+
+def checks_kernel_wanted() -> bool:
+    """Whether this process asked for the kernel (``PIMLAYERS_CHECKS_KERNEL=1``) and its first
+    device runs it (an NVIDIA GPU of compute capability 8.0 or newer with Pallas' Triton backend)."""
+    if os.environ.get("PIMLAYERS_CHECKS_KERNEL", "0") != "1":
+        return False
+    d = jax.devices()[0]
+    return d.platform != "cpu" and _device_runs_it()
+
+
+def checks_kernel_applies(x, sums, c_terms: int, mag_terms: int, transposed: bool) -> bool:
+    """Whether :func:`checks_kernel` takes these checks: a bf16 x (the split-term checks; an f16 or
+    f32 x has XLA's f32 GEMMs) of one weight's checks (sums (K, nb, 2)) or a batch matching the
+    weights' (x (G, R, K) or, ``transposed``, (G, K, R) against sums (G, K, nb, 2)), non-empty, and
+    at most ``MAX_COLUMNS`` columns padded."""
+    if x.dtype != jnp.bfloat16 or plt is None:
+        return False
+    *g, _, nb, _ = sums.shape
+    if g and (x.ndim != len(g) + 2 or tuple(x.shape[: len(g)]) != tuple(g)):
+        return False
+    if transposed and not g:
+        return False
+    if min(x.shape, default=0) <= 0 or nb <= 0:
+        return False
+    return _padded(2 * nb * c_terms) + _padded(nb * mag_terms) <= MAX_COLUMNS
+
+
+def _kernel(x_ref, pc_ref, pm_ref, oc_ref, om_ref, *, r, k, a_t, pieces_c, pieces_m):
+    """One (batch entry, tile of BM rows): every column of c's and mag's terms, over K."""
+    g, i = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * _BM, _BM)
+    rmask = i * _BM + jnp.arange(_BM) < r
+
+    def step(s, accs):
+        ks = s * _BK + jnp.arange(_BK)
+        kmask = ks < k
+        if a_t:  # (K, R) stored: a (BK, BM) tile, contracted over its first axis
+            x = plt.load(
+                x_ref.at[g, pl.ds(s * _BK, _BK), rows], mask=kmask[:, None] & rmask[None, :], other=0.0
+            )
+        else:
+            x = plt.load(
+                x_ref.at[g, rows, pl.ds(s * _BK, _BK)], mask=rmask[:, None] & kmask[None, :], other=0.0
+            )
+        ax = jnp.abs(x)  # exact: |x| of a bf16 value is a bf16 value
+        operands = [(pc_ref, off, w, x) for off, w in pieces_c] + [
+            (pm_ref, off, w, ax) for off, w in pieces_m
+        ]
+        out = []
+        for acc, (ref, off, w, v) in zip(accs, operands, strict=True):
+            p = plt.load(ref.at[g, pl.ds(s * _BK, _BK), pl.ds(off, w)], mask=kmask[:, None], other=0.0)
+            # bf16 x bf16 products are exact in f32; the accumulation is f32, as XLA's.
+            out.append(acc + plt.dot(v, p, trans_a=a_t).astype(jnp.float32))
+        return tuple(out)
+
+    init = tuple(jnp.zeros((_BM, w), jnp.float32) for _, w in (*pieces_c, *pieces_m))
+    accs = lax.fori_loop(0, pl.cdiv(k, _BK), step, init)
+    outputs = [(oc_ref, off, w) for off, w in pieces_c] + [(om_ref, off, w) for off, w in pieces_m]
+    for acc, (ref, off, w) in zip(accs, outputs, strict=True):
+        plt.store(ref.at[g, rows, pl.ds(off, w)], acc, mask=rmask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("a_t", "interpret"))
+def _call(x, pc, pm, *, a_t: bool, interpret: bool = False):
+    """``(x @ pc, |x| @ pm)`` in f32 for x (G, R, K) (``a_t``: (G, K, R)) and column sets (G, K, W)
+    whose widths are already padded to their pieces."""
+    g = x.shape[0]
+    r, k = (x.shape[2], x.shape[1]) if a_t else (x.shape[1], x.shape[2])
+    wc, wm = pc.shape[-1], pm.shape[-1]
+    kern = functools.partial(_kernel, r=r, k=k, a_t=a_t, pieces_c=_pieces(wc), pieces_m=_pieces(wm))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=8, num_stages=3))
+    return pl.pallas_call(
+        kern,
+        out_shape=(
+            jax.ShapeDtypeStruct((g, r, wc), jnp.float32),
+            jax.ShapeDtypeStruct((g, r, wm), jnp.float32),
+        ),
+        grid=(g, pl.cdiv(r, _BM)),
+        in_specs=[any_spec] * 3,
+        out_specs=(any_spec, any_spec),
+        interpret=interpret,
+        name="pimlayers_checks_kernel",
+        **params,
+    )(x, pc, pm)
+
+
+def _pad_to_pieces(p: jax.Array) -> jax.Array:
+    width = p.shape[-1]
+    return jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, _padded(width) - width)])
+
+
+def checks_kernel(
+    x: Float[Array, "*g m k"],
+    sums: Float[Array, "*g k nb 2"],
+    abs_sums: Float[Array, "*g k nb"],
+    c_terms: int,
+    mag_terms: int,
+    *,
+    transposed: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "*g m nb 2"], Float[Array, "*g m nb"]]:
+    """``(c, mag)`` as ``_abft._checks_reference`` forms them for a bf16 x (``abs_sums`` already
+    scaled as it scales them), from one read of x. ``interpret``: Pallas' interpreter (default: on
+    a CPU); on a GPU the Triton kernel. Shapes as :func:`checks_kernel_applies` takes them."""
+    from ._abft import _split_parts, _sum_terms
+
+    if not checks_kernel_applies(x, sums, c_terms, mag_terms, transposed):
+        raise ValueError(
+            f"pimlayers.checks_kernel: x {x.dtype}{tuple(x.shape)} against sums {tuple(sums.shape)} "
+            f"(transposed={transposed}, {c_terms} + {mag_terms} terms); expected a bf16 x of one weight's "
+            f"checks or a batch matching the weights', at most {MAX_COLUMNS} columns padded"
+        )
+    *g, k, nb, _ = sums.shape
+    lead = x.shape[:-1] if not g else x.shape[:-2]
+    if not g:  # one weight: x's rows, flattened
+        x3 = x.reshape(1, -1, k)
+        s3, a3 = sums.reshape(1, k, 2 * nb), abs_sums.reshape(1, k, nb)
+    else:
+        x3 = x.reshape(-1, *x.shape[-2:])
+        s3, a3 = sums.reshape(-1, k, 2 * nb), abs_sums.reshape(-1, k, nb)
+    pc = _pad_to_pieces(_split_parts(s3, c_terms))
+    pm = _pad_to_pieces(_split_parts(a3, mag_terms))
+    interp = jax.devices()[0].platform == "cpu" if interpret is None else interpret
+    yc, ym = _call(x3, pc, pm, a_t=transposed, interpret=interp)
+    rows = yc.shape[1]
+    c = _sum_terms(yc[..., : c_terms * 2 * nb], c_terms, 2 * nb)
+    mag = _sum_terms(ym[..., : mag_terms * nb], mag_terms, nb)
+    if not g:
+        return c.reshape(*lead, nb, 2), mag.reshape(*lead, nb)
+    return c.reshape(*lead, rows, nb, 2), mag.reshape(*lead, rows, nb)
