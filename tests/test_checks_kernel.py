@@ -10,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pimlayers import ops
+from pimlayers._native import has_native
 from pimlayers.ops import _abft, _checks_kernel
 from pimlayers.ops._abft import WeightChecksums
 from pimlayers.ops._checks_kernel import MAX_COLUMNS, checks_kernel, checks_kernel_applies
@@ -43,9 +46,7 @@ def _same(got, want, scale):
 def _fake_gpu(monkeypatch):
     """A process asking for the kernel whose first device is a GPU that runs it."""
     monkeypatch.setenv("PIMLAYERS_CHECKS_KERNEL", "1")
-    monkeypatch.setattr(_checks_kernel, "_device_runs_it", lambda: True)
-    monkeypatch.setattr(_checks_kernel.jax, "devices", lambda: [type("Gpu", (), {"platform": "gpu"})()])
-    monkeypatch.setattr(_checks_kernel.jax, "device_count", lambda: 1)  # (the suite runs 8 CPU devices)
+    monkeypatch.setattr(_checks_kernel, "_gpu_runs_it", lambda: True)
 
 
 @pytest.mark.parametrize(
@@ -155,8 +156,36 @@ def test_asked_for_the_checks_lower_to_it_for_a_gpu_and_stay_xlas_elsewhere(monk
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # on the CPU: XLA's dots
     wide = _weights((), 128, 256 * 128, 128)  # 256 blocks: too many columns, XLA's dots stay
     assert _abft._with_checks_kernel(xla, x, wide, 128, False, 8.0) is xla
-    monkeypatch.setattr(_checks_kernel.jax, "device_count", lambda: 8)  # no partitioning rule: XLA's
-    assert _abft._with_checks_kernel(xla, x, enc, 128, False, 8.0) is xla
+    # Transposed checks contract over the rows a data-parallel x has split: with several devices
+    # (this suite runs 8 CPU devices) XLA's dots, which add the partial sums, stay.
+    batch = _weights((2,), 128, 512, 128)
+    xt = _x((2, 128, 64))
+    assert jax.device_count() > 1
+    assert _abft._with_checks_kernel(xla, xt, batch, 128, True, 8.0) is xla
+    assert _abft._with_checks_kernel(xla, _x((2, 64, 128)), batch, 128, False, 8.0) is not xla
+
+
+@pytest.mark.skipif(not has_native("cpu"), reason="needs the native CPU checks (an op XLA cannot split)")
+def test_asked_for_each_device_checks_its_own_rows(monkeypatch, cpu_mesh):
+    # x's rows split over the mesh: the kernel's switch is partitioned as the native checks are
+    # (row_parallel), so nothing gathers x to run it, and each device's rows get their own checks.
+    # Compiled for the CPU the switch runs its other branch, here the native CPU checks standing in
+    # for a call XLA cannot partition (as the Triton kernel is): left to XLA it gathers x.
+    enc = _weights((), 128, 512, 128)
+    x = _x((16 * cpu_mesh.size, 128))
+    opaque = lambda v, s, a: _abft._checks_native(v, s, a, False)
+    xs = jax.device_put(x, NamedSharding(cpu_mesh, P("d")))
+    alone = jax.jit(opaque).lower(xs, enc.sums, enc.abs_sums).compile().as_text()
+    assert "all-gather" in alone  # XLA's way with an op it cannot split: the property below could fail
+    _fake_gpu(monkeypatch)
+    fn = jax.jit(_abft._with_checks_kernel(opaque, x, enc, 128, False, 8.0))
+    hlo = fn.lower(xs, enc.sums, enc.abs_sums).compile().as_text()
+    assert "all-gather" not in hlo
+    c, mag = fn(xs, enc.sums, enc.abs_sums)
+    assert c.sharding.spec[0] == "d" and mag.sharding.spec[0] == "d"
+    want_c, want_mag = jax.jit(opaque)(x, enc.sums, enc.abs_sums)  # per row: equal bit for bit
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
+    np.testing.assert_array_equal(np.asarray(mag), np.asarray(want_mag))
 
 
 def test_the_gpu_lowering_is_one_triton_call_in_place_of_the_check_gemms():

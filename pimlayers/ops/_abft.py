@@ -327,7 +327,7 @@ def abft_checks(
     the |x| between them took 0.14-0.63 ms at 256 x 256-1024 on a 2-core CPU, the native op
     0.04-0.14 on one thread); ``transposed`` too in a CPU-only process with one device (with
     several, XLA's dots: see below). The GPU keeps XLA's dots, or with ``PIMLAYERS_CHECKS_KERNEL=1``
-    (opt-in, one device) a Triton kernel reading x once where the columns fit it (``_checks_kernel``).
+    (opt-in) a Triton kernel reading x once where the columns fit it (``_checks_kernel``).
 
     ``lam``: the λ of the check these feed (``FaultPolicy.lam``, or ``lam_dw`` for a weight
     gradient). Given, a bf16 x's split-dot checks (the GPU's path, ``_checks_reference``) are formed
@@ -379,24 +379,38 @@ def abft_checks(
 
 def _with_checks_kernel(reference, x, enc: WeightChecksums, k: int, transposed: bool, lam):
     """``reference``, or where this process asked for the one-read checks kernel and it takes these
-    checks (``_checks_kernel``: ``PIMLAYERS_CHECKS_KERNEL=1``, an NVIDIA GPU, one device), the kernel
-    where a GPU lowers them and ``reference`` elsewhere. One device only: the kernel has no
-    partitioning rule, and XLA would gather a split x for it."""
+    checks (``_checks_kernel``: ``PIMLAYERS_CHECKS_KERNEL=1``, an NVIDIA GPU), the kernel where a GPU
+    lowers them and ``reference`` elsewhere. x's rows are split over devices as they come (each
+    device checks its own, as the native CPU checks do: ``row_parallel``). Transposed checks
+    contract over the rows, which a data-parallel x has split: there, with several devices,
+    XLA's dots stay (they add the devices' partial sums)."""
     from ._checks_kernel import checks_kernel, checks_kernel_applies, checks_kernel_wanted
 
     c_terms, mag_terms, scale = _check_terms(k, lam)
-    if not (
-        jax.device_count() == 1
-        and checks_kernel_wanted()
-        and checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed)
-    ):
+    if not (checks_kernel_wanted() and checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed)):
+        return reference
+    if transposed and jax.device_count() > 1:  # (a CPU-only process has its devices counted too)
         return reference
 
     def kernel(v, s, a):
         a = a if scale == 1.0 else a * jnp.float32(scale)  # as _checks_reference scales them
         return checks_kernel(v, s, a, c_terms, mag_terms, transposed=transposed, interpret=False)
 
-    return lambda v, s, a: lax.platform_dependent(v, s, a, cuda=kernel, default=reference)
+    def switch(v, s, a):
+        return lax.platform_dependent(v, s, a, cuda=kernel, default=reference)
+
+    if transposed:
+        return switch
+    rows = row_parallel(switch, (1, 3, 2), (2, 1))
+    if enc.sums.ndim > 3:  # a weight per leading index: x (*g, R, K) split as it comes
+        return rows
+    nb = enc.abs_sums.shape[-1]
+
+    def one_weight(v, s, a):  # x's rows, flattened
+        c, m = rows(v.reshape(-1, k), s, a)
+        return c.reshape(*v.shape[:-1], nb, 2), m.reshape(*v.shape[:-1], nb)
+
+    return one_weight
 
 
 def checks_after(y: jax.Array, x: jax.Array) -> jax.Array:

@@ -67,10 +67,13 @@ def _padded(width: int) -> int:
 def checks_kernel_wanted() -> bool:
     """Whether this process asked for the kernel (``PIMLAYERS_CHECKS_KERNEL=1``) and its first
     device runs it (an NVIDIA GPU of compute capability 8.0 or newer with Pallas' Triton backend)."""
-    if os.environ.get("PIMLAYERS_CHECKS_KERNEL", "0") != "1":
-        return False
-    d = jax.devices()[0]
-    return d.platform != "cpu" and _device_runs_it()
+    return os.environ.get("PIMLAYERS_CHECKS_KERNEL", "0") == "1" and _gpu_runs_it()
+
+
+def _gpu_runs_it() -> bool:
+    """Whether JAX's first device is a GPU that runs the kernel (not a CPU: there it would run under
+    Pallas' interpreter)."""
+    return jax.devices()[0].platform != "cpu" and _device_runs_it()
 
 
 def checks_kernel_applies(x, sums, c_terms: int, mag_terms: int, transposed: bool) -> bool:
