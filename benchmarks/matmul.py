@@ -91,9 +91,18 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     # CPU the default is the loop itself.
     with_loop = _redo_kernel_timed(dtype, policy)
     loop = pairs(m, k, n, dtype, policy.replace(recompute_kernel=False)) if with_loop else None
+    # The opt-in one-read checks kernel (PIMLAYERS_CHECKS_KERNEL=1), where a GPU runs it: the same
+    # programs traced with it asked for (each check it takes; XLA's GEMMs for the rest).
+    with_ck = jnp.dtype(dtype) == jnp.bfloat16 and _gpu_runs_checks_kernel()
+    ck = None
+    if with_ck:
+        ck = {
+            mode: (a, _asking_for_checks_kernel(b), c, d)
+            for mode, (a, b, c, d) in pairs(m, k, n, dtype, policy).items()
+        }
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
-    others = [c["fwd"][1] for c in (fused, loop) if c is not None]
+    others = [c["fwd"][1] for c in (fused, loop, ck) if c is not None]
     for f in (prot, *others):
         y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
@@ -111,6 +120,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
     if with_loop:
         extra |= _pair_cols(plain, args_p, loop["fwd"][1], args_q, "loop")
+    if with_ck:
+        extra |= _pair_cols(plain, args_p, ck["fwd"][1], args_q, "checks_kernel")
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
@@ -119,6 +130,13 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(gp, gq, strict=True)
     )
+    ck_gerr = None
+    if with_ck:  # its gradients against the plain GEMM's, as max_grad_diff is the default's
+        (_, gk) = ck["fwd+bwd"][1](*args_q)
+        ck_gerr = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            for a, b in zip(gp, gk, strict=True)
+        )
     t0, t1, ratio = time_pair(plain_g, args_p, prot_g, args_q)
     extra = {}
     if with_fused:
@@ -126,6 +144,9 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra = dict(fused_ms=t2 * 1e3, fused_ratio=t0 / t2)
     if with_loop:
         extra |= _pair_cols(plain_g, args_p, loop["fwd+bwd"][1], args_q, "loop")
+    if with_ck:
+        extra |= _pair_cols(plain_g, args_p, ck["fwd+bwd"][1], args_q, "checks_kernel")
+        extra["checks_kernel_grad_diff"] = ck_gerr
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
 
@@ -136,11 +157,15 @@ def _redo_kernel_timed(dtype, policy: FaultPolicy) -> bool:
     return redo_kernel_chosen(policy) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
+def _gpu_runs_checks_kernel() -> bool:
+    """Whether JAX's first device is a GPU that runs the opt-in one-read checks kernel."""
+    return jax.devices()[0].platform != "cpu" and _device_runs_it()
+
+
 def _checks_kernel_timed(x, enc: WeightChecksums) -> bool:
     """Whether the opt-in one-read checks kernel (``_checks_kernel``) runs here and takes these
     checks (f32-accurate: 3 + 2 terms, as ``abft_checks`` without λ forms them)."""
-    gpu = jax.devices()[0].platform != "cpu" and _device_runs_it()
-    return gpu and checks_kernel_applies(x, enc.sums, 3, 2, False)
+    return _gpu_runs_checks_kernel() and checks_kernel_applies(x, enc.sums, 3, 2, False)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,11 @@ cannot locate redone by one device kernel (`FaultPolicy.recompute_kernel`'s defa
 after it repaired two non-finite values in one block), and `loop` / `protected_loop` is
 `FaultPolicy(recompute_kernel=False)`, the recompute loop whose predicate the host reads. Before,
 `protected` was the loop, `kernel` / `protected_redo_kernel` the device redo (opt-in then) and
-`fused_redo_kernel` the fused GEMM with it.
+`fused_redo_kernel` the fused GEMM with it. From 2026-12-05 on, where a GPU runs it, `checks_kernel`
+(matmul: the same programs traced with `PIMLAYERS_CHECKS_KERNEL=1`, each check the one-read kernel
+takes on it, `checks_kernel_grad_diff` their gradients' largest difference from the plain GEMM's;
+matmul-parts: the kernel alone, checked against `abft_checks` first, and `protected_checks_kernel`)
+is the opt-in one-read checks kernel.
 
 Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
 shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;

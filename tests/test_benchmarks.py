@@ -699,6 +699,30 @@ def test_matmul_suite_checks_the_default_device_redo_repairs_and_times_the_loop(
         matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
 
 
+def test_matmul_suite_times_the_checks_kernel_where_a_gpu_runs_it(monkeypatch):
+    """As on a GPU that runs the opt-in checks kernel: the same programs traced asking for it are
+    checked (no detection, the plain product; their gradients' difference recorded) and timed in
+    their own columns. (On the CPU their platform switch takes XLA's dots.)"""
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+    from pimlayers import FaultPolicy
+    from pimlayers.ops import _checks_kernel
+
+    seen = []
+    monkeypatch.setattr(matmul, "_gpu_runs_checks_kernel", lambda: True)
+    monkeypatch.setattr(
+        _checks_kernel, "_gpu_runs_it", lambda: seen.append(os.environ.get("PIMLAYERS_CHECKS_KERNEL")) or True
+    )
+    monkeypatch.setattr(matmul, "time_pair", lambda a, aa, b, ab: (1e-3, 2e-3, 0.5))
+    monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 3e-3)
+    rows = matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
+    assert all(r["checks_kernel_ms"] == 2.0 and r["checks_kernel_ratio"] == 0.5 for r in rows)
+    assert rows[1]["checks_kernel_grad_diff"] == pytest.approx(rows[1]["max_grad_diff"], abs=1e-6)
+    assert "1" in seen  # traced with the kernel asked for
+    assert os.environ.get("PIMLAYERS_CHECKS_KERNEL") is None  # and the setting put back
+
+
 def test_encode_suite_times_each_kernel_per_weight_after_checking_it():
     import jax.numpy as jnp
 
