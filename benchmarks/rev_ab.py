@@ -21,9 +21,11 @@ Cases (``--case``), each at ``--shape``:
 * ``matmul``: the protected GEMM's forward (the default FaultPolicy) and the plain one; shape M,K,N
   (default 8192,4096,14336), bf16 (``--dtype``).
 
-Time per call: the device kernels' own time from a profiler trace (``profile.kernel_us``, three
-calls), the median over ``--reps`` repetitions; where the trace has no device timeline (a CPU) the
-wall time of jitted calls (``_harness.time_fn``). Rows: per variant, round and op the time (and,
+Before timing, each variant's ops are checked on their clean inputs (``_sane``: the protected GEMM
+against the plain one; the verified flash kernels within their own bounds and close to their
+unchecked outputs). Time per call: the device kernels' own time in one call from a profiler trace
+(``profile.kernel_us``), the median over ``--reps`` such calls; where the trace has no device
+timeline (a CPU) the wall time of jitted calls (``_harness.time_fn``). Rows: per variant, round and op the time (and,
 with kernel times, ``top``: the kernels of at least 2% of it, µs each); per variant and op the
 median over the rounds with ``vs_base`` = the working tree's median / the variant's (> 1: the
 variant is faster).
@@ -119,6 +121,36 @@ def _ops(case: str, shape: tuple[int, ...], dtype: str) -> dict:
     return table
 
 
+def _sane(case: str, table: dict) -> None:
+    """Before timing, what each variant's kernels must show on clean inputs: the protected GEMM the
+    plain product (bf16 rounding apart) with nothing detected; the verified flash kernels every
+    row within its checks' bounds (their ratios <= 1), and the checked outputs close to the unchecked."""
+    import jax.numpy as jnp
+
+    def diff(a, b):
+        return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+    if case == "matmul":
+        (plain, pa), (prot, qa) = table["plain"], table["protected"]
+        err = diff(plain(*pa), prot(*qa))
+        if not err <= 0.05:
+            raise AssertionError(f"rev_ab: the protected GEMM differs from the plain one by {err}")
+        return
+    for mode in ("fwd", "bwd"):
+        (on, a1), (off, a2) = table[f"{mode} verified"], table[f"{mode} off"]
+        got, want = on(*a1), off(*a2)
+        ratios = [r for r in got[-1] if r is not None]
+        worst = max(float(jnp.max(r)) for r in ratios)
+        if not worst <= 1.0:
+            raise AssertionError(f"rev_ab: the verified flash {mode} flags a clean input (ratio {worst})")
+        for a, b in zip(got[:-1], want[:-1], strict=True):  # (the GPU tests' tolerance, 3e-2)
+            err = diff(a, b)
+            if not err <= 3e-2 * max(1.0, float(jnp.max(jnp.abs(b.astype(jnp.float32))))):
+                raise AssertionError(
+                    f"rev_ab: the flash {mode} outputs with checks on and off differ by {err}"
+                )
+
+
 def measure(case: str, shape: tuple[int, ...], dtype: str = "bfloat16", reps: int = 3) -> dict:
     """In a child: ``{"pimlayers": its file, "native": the platforms its native handlers loaded for,
     "timer": "kernels" | "wall", "ops": {name: {"us", "top"}}}``."""
@@ -131,7 +163,9 @@ def measure(case: str, shape: tuple[int, ...], dtype: str = "bfloat16", reps: in
 
     res = {}
     timer = "kernels"
-    for name, (fn, args) in _ops(case, shape, dtype).items():
+    table = _ops(case, shape, dtype)
+    _sane(case, table)
+    for name, (fn, args) in table.items():
         jax.block_until_ready(fn(*args))  # compiled before anything is timed
         runs = [kernel_us(fn, *args) for _ in range(reps)] if timer == "kernels" else []
         if timer == "kernels" and not any(runs):

@@ -343,13 +343,13 @@ def abft_checks(
         )
     check_impl("abft_checks", impl)
     reference = lambda v, s, a: _checks_reference(v, WeightChecksums(s, a), transposed, lam)
-    if impl == "auto" and x.dtype == jnp.bfloat16:
-        reference = _with_checks_kernel(reference, x, enc, k, transposed, lam)
     if x.shape[-2 if transposed else -1] != k:
         raise ValueError(
             f"pimlayers.abft_checks: x has shape {tuple(x.shape)}; expected K = {k} on its "
             f"{'second-to-last' if transposed else 'last'} axis for checksums of {tuple(enc.sums.shape)}"
         )
+    if impl == "auto" and x.dtype == jnp.bfloat16:
+        reference = _with_checks_kernel(reference, x, enc, k, transposed, lam)
     if transposed:
         # xᵀ @ s contracts over x's leading axis, the one a data-parallel x is split over: XLA
         # sums the devices' partial dots, where this custom call would have x gathered to each
@@ -389,7 +389,7 @@ def _with_checks_kernel(reference, x, enc: WeightChecksums, k: int, transposed: 
     c_terms, mag_terms, scale = _check_terms(k, lam)
     if not (checks_kernel_wanted() and checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed)):
         return reference
-    if transposed and jax.device_count() > 1:  # (a CPU-only process has its devices counted too)
+    if transposed and jax.device_count() > 1:
         return reference
 
     def kernel(v, s, a):
