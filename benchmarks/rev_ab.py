@@ -25,10 +25,10 @@ Before timing, each variant's ops are checked on their clean inputs (``_sane``: 
 against the plain one; the verified flash kernels within their own bounds and close to their
 unchecked outputs). Time per call: the device kernels' own time in one call from a profiler trace
 (``profile.kernel_us``), the median over ``--reps`` such calls; where the trace has no device
-timeline (a CPU) the wall time of jitted calls (``_harness.time_fn``). Rows: per variant, round and op the time (and,
-with kernel times, ``top``: the kernels of at least 2% of it, µs each); per variant and op the
-median over the rounds with ``vs_base`` = the working tree's median / the variant's (> 1: the
-variant is faster).
+timeline (a CPU) the wall time of jitted calls (``_harness.time_fn``). Rows: per variant, round
+and op the time (and, with kernel times, ``top``: the kernels of at least 2% of it, µs each); per
+variant and op the median over the rounds with ``vs_base`` = the working tree's median / the
+variant's (> 1: the variant is faster).
 Results go to ``benchmarks/results/<date>-rev-ab[-TAG]-<device>.json``.
 """
 
