@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from ._redo_kernel import _device_runs_it, plt
+from ._redo_kernel import _device_runs_it, load_a_tile, plt
 
 __all__ = ["MAX_COLUMNS", "checks_kernel", "checks_kernel_applies", "checks_kernel_wanted"]
 
@@ -102,14 +102,7 @@ def _kernel(x_ref, pc_ref, pm_ref, oc_ref, om_ref, *, r, k, a_t, pieces_c, piece
     def step(s, accs):
         ks = s * _BK + jnp.arange(_BK)
         kmask = ks < k
-        if a_t:  # (K, R) stored: a (BK, BM) tile, contracted over its first axis
-            x = plt.load(
-                x_ref.at[g, pl.ds(s * _BK, _BK), rows], mask=kmask[:, None] & rmask[None, :], other=0.0
-            )
-        else:
-            x = plt.load(
-                x_ref.at[g, rows, pl.ds(s * _BK, _BK)], mask=rmask[:, None] & kmask[None, :], other=0.0
-            )
+        x = load_a_tile(x_ref, g, rows, rmask, s * _BK, kmask, a_t)  # (BK, BM) with a_t
         ax = jnp.abs(x)  # exact: |x| of a bf16 value is a bf16 value
         operands = [(pc_ref, off, w, x) for off, w in pieces_c] + [
             (pm_ref, off, w, ax) for off, w in pieces_m

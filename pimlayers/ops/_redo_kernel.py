@@ -147,6 +147,16 @@ def _device_runs_it() -> bool:
         return False
 
 
+def load_a_tile(ref, g, rows, rmask, k0, kmask, a_t: bool):
+    """The GEMM operand's tile of ``rows`` (mask ``rmask``) and ``len(kmask)`` K from ``k0`` (mask
+    ``kmask``), zeros outside: (BM, BK) as stored, or with ``a_t`` ((K, R) stored) the (BK, BM) tile
+    that ``plt.dot(..., trans_a=True)`` contracts over its first axis."""
+    bk = kmask.shape[0]
+    if a_t:
+        return plt.load(ref.at[g, pl.ds(k0, bk), rows], mask=kmask[:, None] & rmask[None, :], other=0.0)
+    return plt.load(ref.at[g, rows, pl.ds(k0, bk)], mask=rmask[:, None] & kmask[None, :], other=0.0)
+
+
 def _kernel(a_ref, b_ref, flags_ref, counts_ref, c_ref, mag_ref, y_in_ref, y_ref, stats_ref, *, r, **kw):
     """One (GEMM, row tile, group of blocks): nothing unless a row of the tile is detected in a
     block of the group; then each such block is recomputed, tile by tile, and checked again."""
@@ -196,14 +206,7 @@ def _redo_block(
         def step(s, acc):
             ks = s * _BK + jnp.arange(_BK)
             kmask = ks < k
-            if a_t:  # (K, R) stored: a (BK, BM) tile, contracted over its first axis
-                x = plt.load(
-                    a_ref.at[g, pl.ds(s * _BK, _BK), rows], mask=kmask[:, None] & rmask[None, :], other=0.0
-                )
-            else:
-                x = plt.load(
-                    a_ref.at[g, rows, pl.ds(s * _BK, _BK)], mask=rmask[:, None] & kmask[None, :], other=0.0
-                )
+            x = load_a_tile(a_ref, g, rows, rmask, s * _BK, kmask, a_t)
             if b_t:  # (N, K) stored: a (BN, BK) tile
                 w = plt.load(
                     b_ref.at[g, pl.ds(j * bn, bn), pl.ds(s * _BK, _BK)],
