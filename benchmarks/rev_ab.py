@@ -3,8 +3,9 @@
 python -m benchmarks.rev_ab --rev 6ed0dce --case flash --rounds 2
 
 A change to a kernel is timed against the code before it: each variant's ``pimlayers`` package (the
-working tree's, and each ``--rev``'s, exported with ``git archive``) is copied into a folder of its
-own with the built extension modules this process imports (so ``--rev`` must not predate a change to
+working tree's, and each ``--rev``'s, exported with ``git archive``; a ``--rev`` that names a folder
+holding a ``pimlayers`` package, such as another checkout, gives that package) is copied into a folder
+of its own with the built extension modules this process imports (so ``--rev`` must not predate a change to
 the native handlers' interfaces), and timed in processes of its own, alternating between the
 variants for ``--rounds`` rounds so that a drift of the machine falls on all of them. The timing
 code is this tree's (``benchmarks``, ``models``, ``train``); only the package differs. A child
@@ -216,11 +217,15 @@ def _extension_files() -> list[pathlib.Path]:
 
 
 def _export(rev: str | None, dest: pathlib.Path, extensions: list[pathlib.Path]) -> None:
-    """``dest/pimlayers``: the working tree's package (rev None) or revision ``rev``'s, with the
-    extension modules copied in."""
+    """``dest/pimlayers``: the working tree's package (rev None), the package in folder ``rev`` or
+    revision ``rev``'s, with the extension modules copied in (over any the source had)."""
     dest.mkdir(parents=True)
-    if rev is None:
-        shutil.copytree(ROOT / "pimlayers", dest / "pimlayers", ignore=shutil.ignore_patterns("__pycache__"))
+    source = ROOT if rev is None else pathlib.Path(rev)
+    if rev is None or (source / "pimlayers" / "__init__.py").is_file():
+        ignore = shutil.ignore_patterns("__pycache__", "*.so")
+        shutil.copytree(source / "pimlayers", dest / "pimlayers", ignore=ignore)
+    elif source.is_dir():
+        raise ValueError(f"benchmarks.rev_ab: --rev {rev!r} is a folder without a pimlayers package")
     else:
         out = subprocess.run(
             ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "pimlayers"],
@@ -258,7 +263,10 @@ def _site_dirs() -> list[str]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--rev", action="append", default=[], help="a git revision to time against the working tree"
+        "--rev",
+        action="append",
+        default=[],
+        help="a git revision (or a folder holding a pimlayers package) to time against the working tree",
     )
     ap.add_argument("--case", choices=CASES, default="flash")
     ap.add_argument("--shape", default=None, help="flash: B,T,H,KV,D; matmul: M,K,N")

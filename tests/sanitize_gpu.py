@@ -91,6 +91,25 @@ def checks_cases() -> list:
     ]
 
 
+def bounds_cases() -> list:
+    """The attention kernels' opt-in Triton bounds kernels (``pimlayers/ops/_flash_bounds.py``,
+    ``_flash_bwd_bounds.py``): the forward's and the backward's against XLA's at a ragged and a
+    Llama-3-8B shape."""
+    import test_gpu_flash as TF
+    import test_gpu_flash_bwd as TB
+
+    return [
+        *[
+            (TF.test_bounds_kernel_tiles_are_xlas_on_the_gpu, (None, s))
+            for s in ((2, 384, 3, 64), (1, 8192, 8, 128))
+        ],
+        *[
+            (TB.test_bounds_kernel_is_xlas_on_the_gpu, (None, s))
+            for s in ((2, 384, 3, 1, 64), (1, 8192, 32, 8, 128))
+        ],
+    ]
+
+
 def handler_cases(gpu) -> list:
     """The CUDA handlers' cases (tests/test_gpu.py's and tests/test_gpu_memory.py's tests) on ``gpu``."""
     return [
@@ -146,9 +165,9 @@ def handler_cases(gpu) -> list:
 
 
 def main(argv: list[str]) -> None:
-    """``[flash [fwd|bwd] | redo | checks] [--count | --case I]``: the handlers' cases (or the flash
-    kernels', the device redo's or the checks kernel's), all of them, how many there are, or the
-    I-th alone (from 1)."""
+    """``[flash [fwd|bwd] | redo | checks | bounds] [--count | --case I]``: the handlers' cases (or
+    the flash kernels', the device redo's, the checks kernel's or the bounds kernels'), all of them,
+    how many there are, or the I-th alone (from 1)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python tests/sanitize_gpu.py")
@@ -156,7 +175,7 @@ def main(argv: list[str]) -> None:
         "kernels",
         nargs="*",
         help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels; 'redo': the device redo; "
-        "'checks': the one-read checks kernel",
+        "'checks': the one-read checks kernel; 'bounds': the attention bounds kernels",
     )
     one = ap.add_mutually_exclusive_group()
     one.add_argument("--count", action="store_true", help="print the number of cases and stop")
@@ -168,11 +187,14 @@ def main(argv: list[str]) -> None:
         cases = redo_cases()
     elif a.kernels == ["checks"]:
         cases = checks_cases()
+    elif a.kernels == ["bounds"]:
+        cases = bounds_cases()
     elif not a.kernels:  # (counting needs no GPU)
         cases = handler_cases(None if a.count else jax.devices("cuda")[0])
     else:
         ap.error(
-            f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd', 'flash bwd', 'redo' or 'checks'"
+            f"kernels {a.kernels}; expected nothing, 'flash', 'flash fwd', 'flash bwd', 'redo', 'checks'"
+            " or 'bounds'"
         )
     if a.count:
         print(len(cases))

@@ -834,6 +834,25 @@ def test_rev_ab_refuses_what_it_cannot_run():
         rev_ab.main(["--rev", "HEAD", "--case", "flash", "--shape", "1,2,3,4,x"])
 
 
+def test_rev_ab_takes_a_folders_package_with_this_environments_extensions(tmp_path):
+    # A --rev that names a folder (another checkout) gives that folder's package; its own built
+    # extension modules are replaced by the ones passed in; a folder without a package is refused.
+    from benchmarks import rev_ab
+
+    pkg = tmp_path / "other" / "pimlayers"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("MARK = 'other checkout'\n")
+    (pkg / "_pimlayers_cpu.so").write_bytes(b"stale")
+    ext = tmp_path / "_pimlayers_cpu.so"
+    ext.write_bytes(b"this environment's")
+    rev_ab._export(str(pkg.parent), tmp_path / "v1", [ext])
+    assert (tmp_path / "v1" / "pimlayers" / "__init__.py").read_text() == "MARK = 'other checkout'\n"
+    assert (tmp_path / "v1" / "pimlayers" / "_pimlayers_cpu.so").read_bytes() == b"this environment's"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="without a pimlayers package"):
+        rev_ab._export(str(tmp_path / "empty"), tmp_path / "v2", [])
+
+
 def _git_head() -> bool:
     from benchmarks._harness import ROOT
 
