@@ -31,7 +31,7 @@ import numpy as np
 
 from ._harness import command_line, write_result
 
-__all__ = ["main", "summarize"]
+__all__ = ["main", "summarize", "variant_envs"]
 
 
 def _child(args) -> None:
@@ -70,6 +70,22 @@ def summarize(runs: list[tuple[str, int, list[float]]]) -> list[dict]:
     return rows
 
 
+def variant_envs(environ: dict, setting: dict, cache: str, own_autotuning: bool) -> tuple[dict, dict]:
+    """The base's and the variant's environments: ``environ`` without the names ``setting`` sets,
+    and with them. Unless ``own_autotuning``, both get XLA's per-fusion autotuning cache in ``cache``
+    added to their XLA_FLAGS (the variant's own, where the setting names XLA_FLAGS)."""
+    base = {k: v for k, v in environ.items() if k not in setting}
+    variant = {**base, **setting}
+    for env in (base, variant):
+        flags = env.get("XLA_FLAGS", "")
+        if not own_autotuning and "autotune_cache_dir" not in flags:
+            # Every process after the first reuses the first's GEMM and fusion autotuning, so the
+            # variants differ only in the setting (different choices per process are one suspect
+            # for the spread between processes running the same code; not confirmed).
+            env["XLA_FLAGS"] = f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={cache}".strip()
+    return base, variant
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="the variant's setting")
@@ -102,14 +118,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     child = [sys.executable, "-m", "benchmarks.step_ab", "--child", *(a for a in argv if a != "--child")]
     with tempfile.TemporaryDirectory() as cache:
-        base_env = {k: v for k, v in os.environ.items() if k not in setting}
-        flags = base_env.get("XLA_FLAGS", "")
-        if not args.own_autotuning and "autotune_cache_dir" not in flags:
-            # Every process after the first reuses the first's GEMM and fusion autotuning, so the
-            # variants differ only in the setting (different choices per process are one suspect
-            # for the spread between processes running the same code; not confirmed).
-            base_env["XLA_FLAGS"] = f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={cache}".strip()
-        variants = [("base", base_env), (" ".join(args.env), {**base_env, **setting})]
+        base_env, variant_env = variant_envs(dict(os.environ), setting, cache, args.own_autotuning)
+        variants = [("base", base_env), (" ".join(args.env), variant_env)]
         runs = []
         for r in range(args.rounds):
             for name, env in variants:

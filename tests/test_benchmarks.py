@@ -800,6 +800,20 @@ def test_step_ab_summary_pools_steps_per_variant_against_the_first():
     assert base["iqr_ms"] < 5  # the repair steps do not set it
 
 
+def test_step_ab_variants_share_autotuning_even_when_the_setting_is_xlas_flags():
+    from benchmarks.step_ab import variant_envs
+
+    env = {"XLA_FLAGS": "--xla_a=1", "PATH": "/bin", "X": "old"}
+    base, var = variant_envs(env, {"X": "new"}, "/c", False)
+    assert base == {"XLA_FLAGS": "--xla_a=1 --xla_gpu_per_fusion_autotune_cache_dir=/c", "PATH": "/bin"}
+    assert var == {**base, "X": "new"}
+    base, var = variant_envs(env, {"XLA_FLAGS": "--xla_b=2"}, "/c", False)
+    assert base["XLA_FLAGS"] == "--xla_gpu_per_fusion_autotune_cache_dir=/c"  # the setting's name: unset
+    assert var["XLA_FLAGS"] == "--xla_b=2 --xla_gpu_per_fusion_autotune_cache_dir=/c"
+    base, var = variant_envs(env, {"XLA_FLAGS": "--xla_b=2"}, "/c", True)
+    assert "XLA_FLAGS" not in base and var["XLA_FLAGS"] == "--xla_b=2" and env["X"] == "old"
+
+
 def test_step_ab_refuses_a_setting_that_is_not_name_equals_value():
     from benchmarks import step_ab
 
