@@ -24,7 +24,10 @@ The device redo's Triton kernel has ``python tests/sanitize_gpu.py redo``, run w
 tool cannot run): memcheck clean on an H100 (2026-12-05, docs/gpu-tests.md); without the filter the
 tool crashed before the first case. The one-read checks kernel (opt-in, ``PIMLAYERS_CHECKS_KERNEL=1``)
 has ``python tests/sanitize_gpu.py checks``, to be run the same way with ``--kernel-name
-regex=checks_kernel``; not yet run under the tool.
+regex=checks_kernel``; not yet run under the tool. The attention's opt-in Triton bounds kernels
+(``FlashConfig(bounds_kernel=True)``, ``FlashBwdConfig(bounds_kernel=True)``) have ``python
+tests/sanitize_gpu.py bounds``, run with ``--kernel-name regex=bounds`` (``pimlayers_flash_bounds_*``,
+``pimlayers_flash_bwd_bounds_*``); not yet run under the tool.
 
 The cases are tests/test_gpu.py's, called directly: the whole pytest session under the sanitizer
 crashed the tool itself part-way (seen on an H200 with compute-sanitizer 2025.3.1), at a different
