@@ -77,6 +77,26 @@ def test_the_kernel_is_the_xla_checks(x_shape, g, k, n, block_n, transposed, lam
     _same(got_mag, want_mag, want_mag)
 
 
+def test_every_term_of_the_split_reaches_the_checks():
+    # Checksum columns whose second and third bf16 terms are 2^-9 and 2^-17 of them, against a
+    # positive x (no cancellation): leaving out the third term would move c by ~2^-17 of its
+    # magnitude, 8x the comparison's tolerance, which the first check shows on the reference itself.
+    k, rows, nb = 96, 70, 4
+    key_a, key_x = jax.random.split(jax.random.key(5))
+    head = jax.random.uniform(key_a, (k, nb * 2), minval=1.0, maxval=2.0).astype(jnp.bfloat16)
+    head = head.astype(jnp.float32)
+    sums = head * (1.0 + 2.0**-9 + 2.0**-17)  # three bf16 terms: head, head·2^-9, head·2^-17
+    enc = WeightChecksums(sums.reshape(k, nb, 2), jnp.ones((k, nb), jnp.float32))
+    x = jnp.abs(jax.random.normal(key_x, (rows, k))).astype(jnp.bfloat16)
+    want_c, _ = _abft._checks_reference(x, enc, False, None)  # three terms
+    scale = np.asarray(want_c, np.float64)
+    two = _abft._split_dot(x, sums, 2).reshape(want_c.shape)
+    with pytest.raises(AssertionError):
+        _same(two, want_c, scale)  # a check that drops a term is told apart
+    got_c, _ = jax.jit(lambda x, s, a: checks_kernel(x, s, a, 3, 2))(x, enc.sums, enc.abs_sums)
+    _same(got_c, want_c, scale)
+
+
 @pytest.mark.parametrize(
     ("g", "r", "k", "wc", "wm", "a_t"),
     [
