@@ -58,10 +58,14 @@ def _short(device: str) -> str:
 # Goal 1's other policies, where a file has them: (column prefix, case suffix). From the s40 files
 # (2026-12-05) on, the default redoes on the device kernel on a GPU and ``loop`` is the recompute
 # loop; before, the default was the loop and ``kernel`` / ``fused_redo_kernel`` the opt-in redo.
+# ``fused`` is the fused GEMM under the file's default policy; ``checks_kernel`` (from the s42 file
+# on) the one-read checks kernel under it.
 _GEMM_VARIANTS = (
     ("loop", "recompute loop"),
     ("kernel", "device redo"),
     ("fused_redo_kernel", "fused GEMM, device redo"),
+    ("fused", "fused GEMM"),
+    ("checks_kernel", "one-read checks kernel"),
 )
 
 
@@ -75,6 +79,8 @@ def _gemm(res: dict) -> list[dict]:
         case = r["op"] if "loop_ms" in r else f"{r['op']}, recompute loop"
         out.append(_row(1, res, case, peer, ours, r["ratio"], 1.0))
         for col, what in _GEMM_VARIANTS:
+            if col == "fused" and "loop_ms" not in r:
+                what += ", recompute loop"  # the default of its day
             if _num(r.get(f"{col}_ratio")):
                 ours = f"{r[f'{col}_ms']:.3g} ms"
                 out.append(_row(1, res, f"{r['op']}, {what}", peer, ours, r[f"{col}_ratio"], 1.0))

@@ -202,6 +202,25 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     assert goals.table([]) == ""
 
 
+def test_goals_name_each_gemm_policy_by_the_default_of_its_files_day():
+    # From the files with loop columns on, the op alone is the device redo and "fused GEMM" runs
+    # under it; in older files the default (and the fused GEMM's) was the recompute loop.
+    from benchmarks import goals
+
+    row = dict(op="fwd 4096->1024", m=8192, block_n=128, plain_ms=0.1, protected_ms=0.2, ratio=0.5)
+    row |= dict(fused_ms=0.19, fused_ratio=0.53, checks_kernel_ms=0.18, checks_kernel_ratio=0.55)
+    res = lambda r: dict(device="gpu:NVIDIA H100", file="f.json", rows=[r])
+    new = [g["case"] for g in goals._gemm(res(row | dict(loop_ms=0.3, loop_ratio=0.33)))]
+    assert new == [
+        "fwd 4096->1024",
+        "fwd 4096->1024, recompute loop",
+        "fwd 4096->1024, fused GEMM",
+        "fwd 4096->1024, one-read checks kernel",
+    ]
+    old = [g["case"] for g in goals._gemm(res(row))]
+    assert old[:2] == ["fwd 4096->1024, recompute loop", "fwd 4096->1024, fused GEMM, recompute loop"]
+
+
 def test_goals_stand_per_gpu_model_the_h200_first():
     """A newer file from another GPU does not replace the H200's standing: each model's newest file
     gives its own rows (a ratio is against the peer of its own run), the goals' H200 first."""

@@ -56,8 +56,8 @@ def test_the_kernel_is_the_xla_checks_at_llama_shapes(cuda, k, n):
     scale_c = jnp.matmul(
         jnp.abs(x.astype(jnp.float32)), jnp.abs(enc.sums).reshape(k, 2 * nb), precision="highest"
     )
-    _same(got_c, want_c, np.asarray(scale_c).reshape(np.shape(want_c)))
-    _same(got_mag, want_mag, want_mag)
+    _same(got_c, want_c, np.asarray(scale_c).reshape(np.shape(want_c)), k, "c")
+    _same(got_mag, want_mag, want_mag, k, "mag")
 
 
 def test_asked_for_a_protected_gemm_checks_on_it_and_corrects_a_fault(cuda, monkeypatch):

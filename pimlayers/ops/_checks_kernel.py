@@ -17,8 +17,10 @@ gate and up, 1,568 columns) the check is a GEMM of its own size and XLA's stays.
 added as ``_split_dot`` adds them (smallest first), so the results equal the reference's up to the
 order of the f32 accumulation (the bound's own assumption for c).
 
-Opt-in while it has not run on a GPU: ``PIMLAYERS_CHECKS_KERNEL=1`` in the environment of a process
-with an NVIDIA GPU of compute capability 8.0 or newer (read when a protected GEMM is traced), or
+Opt-in, as it did not pay on an H100 (2026-12-05, ``python -m benchmarks.run --suite matmul``): the
+protected forward GEMM 2-4% faster at 4096 -> 1024 and 4096 -> 4096, 2% slower at 14336 -> 4096,
+forward+backward no faster. ``PIMLAYERS_CHECKS_KERNEL=1`` in the environment of a process with an
+NVIDIA GPU of compute capability 8.0 or newer (read when a protected GEMM is traced), or
 :func:`checks_kernel` called directly. On a CPU it runs under Pallas' interpreter (tests).
 """
 
@@ -35,7 +37,13 @@ from jaxtyping import Array, Float
 
 from ._redo_kernel import _device_runs_it, load_a_tile, plt
 
-__all__ = ["MAX_COLUMNS", "checks_kernel", "checks_kernel_applies", "checks_kernel_wanted"]
+__all__ = [
+    "MAX_COLUMNS",
+    "accumulation_tolerance",
+    "checks_kernel",
+    "checks_kernel_applies",
+    "checks_kernel_wanted",
+]
 
 _BM = 64  # rows per program: 128 programs at M = 8192, about one per SM of an H100 / H200
 _BK = 64  # K per step of the dot loop
@@ -44,6 +52,22 @@ _MIN_PIECE = 16  # Triton's smallest dot width
 # 96 registers a thread. Enough for attention's q/k/v together (368 padded) and every 4096-wide
 # product's checks (224); not the MLP's gate and up (1,568), whose check GEMM XLA keeps.
 MAX_COLUMNS = 384
+
+
+def accumulation_tolerance(k: int) -> float:
+    """How far two f32 sums of the same ``k`` exact products, accumulated in different orders, may
+    differ, relative to the sum of the products' magnitudes: what the kernel's checks and XLA's may
+    differ by. Rounded to nearest (a CPU, the interpreter), each order errs by about 2^-24·sqrt(k) of
+    that magnitude: 2^-22·sqrt(k) covers both. The tensor cores truncate their partial sums instead
+    (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021):
+    for products of one sign, as mag's are, the partial sum grows linearly and each 16-product step
+    loses up to its last place, about k·2^-28 of the total in all, biased toward zero, so two tile
+    orders drift apart. On an H100 (2026-12-05) a Llama-shape comparison differed by 7.0e-5 at
+    k = 14336 (k·2^-27.6) and matmul-parts' mag at k = 4096 by more than 2^-18. k·2^-26 takes four
+    times the estimate. Both terms are far below the checks' own bound (λ u (sqrt(k) + ...) of the
+    magnitude, u = 2^-24, for c; mag only scales that bound); at k = 96 their sum is 3.8e-6, under
+    a dropped third split term's 6.7e-6 (tests/test_checks_kernel.py)."""
+    return 2.0**-22 * k**0.5 + k * 2.0**-26
 
 
 def _pieces(width: int) -> tuple[tuple[int, int], ...]:
