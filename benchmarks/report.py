@@ -203,14 +203,14 @@ Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` train
 (no recompute) in alternating processes without and with an environment setting that the native
 handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead
 of the tile kernel; or `XLA_FLAGS=...`: XLA's own flags), sharing XLA's autotuning results between
-the processes since the first run (2026-12-03's file predates that). One row per process (its median step), then per variant the
-median of all its steps; `vs_base` = the base's median / the variant's (> 1: the variant is faster).
+the processes since the first run (2026-12-03's file predates that). One row per process (its
+median step), then per variant the median of all its steps; `vs_base` = the base's median / the
+variant's (> 1: the variant is faster).
 
 Reading the rev-ab table: `python -m benchmarks.rev_ab --rev REV --case flash` (or `--case matmul`)
 times the working tree's kernels against revision REV's (or the package in folder REV, such as
-another checkout) in alternating processes, each importing
-its own copy of the package (with this environment's built extension modules) and this tree's
-timing code. One row per process and op (`us`: the device kernels' time per call from a profiler
+another checkout) in alternating processes, each importing its own copy of the package (with this
+environment's built extension modules) and this tree's timing code. One row per process and op (`us`: the device kernels' time per call from a profiler
 trace, the median of `--reps` calls, or the wall time where there is no device timeline, `timer`;
 `top`: the kernels of at least 2% of it), then per variant and op the median over the rounds, with
 `vs_base` = the working tree's median / the variant's (> 1: the revision is faster).
