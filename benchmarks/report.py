@@ -210,10 +210,11 @@ variant's (> 1: the variant is faster).
 Reading the rev-ab table: `python -m benchmarks.rev_ab --rev REV --case flash` (or `--case matmul`)
 times the working tree's kernels against revision REV's (or the package in folder REV, such as
 another checkout) in alternating processes, each importing its own copy of the package (with this
-environment's built extension modules) and this tree's timing code. One row per process and op (`us`: the device kernels' time per call from a profiler
-trace, the median of `--reps` calls, or the wall time where there is no device timeline, `timer`;
-`top`: the kernels of at least 2% of it), then per variant and op the median over the rounds, with
-`vs_base` = the working tree's median / the variant's (> 1: the revision is faster).
+environment's built extension modules) and this tree's timing code. One row per process and op
+(`us`: the device kernels' time per call from a profiler trace, the median of `--reps` calls, or the
+wall time where there is no device timeline, `timer`; `top`: the kernels of at least 2% of it), then
+per variant and op the median over the rounds, with `vs_base` = the working tree's median / the
+variant's (> 1: the revision is faster).
 
 Reading the cpu-kernels table: `python -m benchmarks.run --suite cpu-kernels --m 256 --dtype
 float32 --shapes small` runs the CPU goal's cases with the native CPU kernels capped by
