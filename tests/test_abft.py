@@ -151,7 +151,8 @@ def test_an_exponent_flip_to_denormal_at_8b_width_is_caught_per_block_not_per_ro
 @pytest.mark.xfail(
     strict=True,
     reason="known limit (ops/_abft.py docstring): two equal errors at columns of even sum pass for one "
-    "error midway between them under two checksums; a third checksum would catch it",
+    "error midway between them under two checksums; a third checksum would catch it "
+    "(FaultPolicy(locate=False) recomputes instead: tests/test_protected_matmul.py)",
 )
 @pytest.mark.parametrize("impl", ["native", "reference"])
 def test_two_equal_errors_are_never_silently_miscorrected(impl):

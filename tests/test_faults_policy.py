@@ -28,7 +28,7 @@ def test_defaults_and_properties():
         8.0,
         128,
     )
-    assert p.recompute and p.skip_on_uncorrectable and p.lam_dw == 64.0
+    assert p.recompute and p.skip_on_uncorrectable and p.lam_dw == 64.0 and p.locate
     assert p.enabled and p.corrects
     d = FaultPolicy(mode="detect")
     assert d.enabled and not d.corrects
@@ -47,6 +47,7 @@ def test_defaults_and_properties():
         "lam_dw",
         "fused",
         "recompute_kernel",
+        "locate",
     ]
 
 

@@ -191,6 +191,63 @@ def test_unlocatable_blocks_are_recomputed_without_a_branch(lo):
     _assert_redone(y2, clean)
 
 
+def _twin_columns(dtype):
+    """x, w whose product has columns 2 and 6 equal (w's columns equal), and faults flipping one bit
+    of both in row 1: two equal errors at columns of even 1-based sum (3 + 7), which the two
+    checksums take for one error midway, at column 4 (tests/test_abft.py)."""
+    x, w = _xw(8, 64, 32, dtype)
+    w = w.at[:, 6].set(w[:, 2])
+    y = np.asarray(_plain(x, w), np.float32)
+    assert y[1, 2] == y[1, 6] and abs(y[1, 2]) > 0.1
+    bit = 27  # an exponent bit (of the f32 view, as GemmFaults counts): far past the bound
+    return x, w, _pairs(1, (2, 6), (bit, bit))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "policy"),
+    [
+        (jnp.float32, pl.FaultPolicy(block_n=32, locate=False)),  # the recompute loop
+        (jnp.float32, pl.FaultPolicy(block_n=32, locate=False, recompute_blocks=8)),
+        (jnp.bfloat16, pl.FaultPolicy(block_n=32, locate=False, recompute_kernel=True)),  # device redo
+    ],
+)
+def test_without_location_two_equal_errors_are_recomputed_not_miscorrected(dtype, policy):
+    x, w, faults = _twin_columns(dtype)
+    enc = ops.abft_encode(w, 32)
+    clean = np.asarray(_plain(x, w), np.float32)
+    run = lambda p: jax.jit(lambda a, b, e, fl: ops.protected_matmul(a, b, e, policy=p, faults=fl))
+    if dtype == jnp.float32:  # (in bf16 the location's own test, against y's rounding, refuses it)
+        # Locating (the default) "corrects" the block into a wrong one: the known limit.
+        y0, r0 = run(policy.replace(locate=True, recompute_blocks=None))(x, w, enc, faults)
+        assert r0.to_dict()["gemm_corrected"] == 1 and r0.to_dict()["gemm_recomputed"] == 0
+        assert not np.allclose(np.asarray(y0)[1], clean[1], rtol=1e-2, atol=1e-2)
+    # Without location the block is recomputed and comes back clean.
+    y, r = run(policy)(x, w, enc, faults)
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_recomputed"], d["gemm_uncorrectable"]) == (
+        1,
+        1,
+        1,
+        0,
+    )
+    np.testing.assert_allclose(np.asarray(y, np.float32), clean, rtol=1e-5, atol=1e-6)
+
+
+def test_without_location_a_single_error_is_recomputed_too_and_the_policy_says_how():
+    x, w = _xw(16, 64, 48)
+    faults = _pairs(3, (5,), (30,))
+    y, r = ops.protected_matmul(x, w, policy=pl.FaultPolicy(block_n=16, locate=False), faults=faults)
+    assert r.to_dict()["gemm_recomputed"] == 1 and r.to_dict()["gemm_uncorrectable"] == 0
+    _, r1 = ops.protected_matmul(x, w, policy=pl.FaultPolicy(block_n=16), faults=faults)
+    assert r1.to_dict()["gemm_recomputed"] == 0 and r1.to_dict()["gemm_corrected"] == 1  # located
+    np.testing.assert_allclose(np.asarray(y), np.asarray(_plain(x, w)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"locate=False.*recompute=False"):
+        pl.FaultPolicy(locate=False, recompute=False)
+    with pytest.raises(TypeError, match="locate"):
+        pl.FaultPolicy(locate="no")
+    assert pl.FaultPolicy(mode="detect", locate=False, recompute=False).locate is False
+
+
 def test_recompute_capacity_overflow_is_reported_uncorrectable():
     x, w = _xw(16, 64, 128)
     policy = pl.FaultPolicy(block_n=32, recompute_blocks=2)  # room for two blocks

@@ -120,7 +120,12 @@ def test_bad_options_are_refused(capsys):
     assert T.parse_args(["--recompute-kernel"]).recompute_kernel is True
     assert T.parse_args(["--no-recompute-kernel"]).recompute_kernel is False
     assert T.parse_args([]).recompute_kernel is None  # the kernel where a GPU runs it, else the loop
+    with pytest.raises(SystemExit):
+        T.parse_args(["--no-locate", "--no-recompute"])
+    assert "--no-locate" in capsys.readouterr().err
+    assert T.parse_args(["--no-locate"]).locate is False and T.parse_args([]).locate is True
     for bad, match in (
+        (dict(locate=False, recompute=False), "locate=False .*recompute=False"),
         (dict(recompute=False, recompute_blocks=4), "choose one"),
         (dict(recompute=False, recompute_kernel=True), "recompute_kernel=True .*choose one"),
         (dict(recompute_blocks=4, recompute_kernel=True), "recompute_kernel=True .*choose one"),
@@ -142,6 +147,7 @@ def test_recompute_mode_says_what_the_policy_resolves_to_here(monkeypatch):
         FaultPolicy.off(): "none (skip)",
         FaultPolicy(recompute_blocks=8): "8 blocks",
         FaultPolicy(recompute_kernel=True): "device kernel",
+        FaultPolicy(locate=False): "whole GEMM, for every detection (nothing located)",
     }
     assert {p: T.recompute_mode(p) for p in modes} == modes
     monkeypatch.setattr(_redo_kernel, "redo_kernel_chosen", lambda p: p.recompute_blocks is None)  # a GPU

@@ -92,6 +92,9 @@ class TrainConfig:
     # or newer), the loop elsewhere; --recompute-kernel forces it (a CPU: Pallas' interpreter, slow),
     # --no-recompute-kernel keeps the loop.
     recompute_kernel: bool | None = None
+    # FaultPolicy.locate: --no-locate never corrects a GEMM's output in place from its checksums;
+    # every detected block is recomputed instead (two errors in one block cannot then pass for one).
+    locate: bool = True
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
     flash: str = "auto"
@@ -133,6 +136,8 @@ def parse_args(argv=None) -> TrainConfig:
             "--recompute-kernel redoes what a check cannot locate: "
             "not with --no-recompute or --recompute-blocks"
         )
+    if not cfg.locate and not cfg.recompute:
+        ap.error("--no-locate corrects by recomputing: not with --no-recompute")
     if cfg.remat_policy not in REMAT_POLICIES:
         ap.error(f"--remat-policy {cfg.remat_policy}: expected one of {sorted(REMAT_POLICIES)}")
     if cfg.link_fault_rate > 0:
@@ -174,15 +179,18 @@ def _peak(device) -> float | None:
 
 
 def recompute_mode(policy: FaultPolicy) -> str:
-    """What a protected GEMM does with what its check detects but cannot locate, as ``policy``
-    resolves on this machine (``recompute_kernel=None``: the device kernel where a GPU runs it)."""
+    """What a protected GEMM does with what its check detects but cannot locate (with
+    ``locate=False``: with all it detects), as ``policy`` resolves on this machine
+    (``recompute_kernel=None``: the device kernel where a GPU runs it)."""
     from pimlayers.ops._redo_kernel import redo_kernel_wanted
 
     if not (policy.corrects and policy.recompute):
         return "none (skip)"
     if policy.recompute_blocks is not None:
-        return f"{policy.recompute_blocks} blocks"
-    return "device kernel" if redo_kernel_wanted(policy) else "whole GEMM"
+        mode = f"{policy.recompute_blocks} blocks"
+    else:
+        mode = "device kernel" if redo_kernel_wanted(policy) else "whole GEMM"
+    return mode if policy.locate else f"{mode}, for every detection (nothing located)"
 
 
 def _host_sum(total: FaultReport, report: FaultReport) -> FaultReport:
@@ -207,6 +215,11 @@ def train(cfg: TrainConfig) -> dict:
             f"TrainConfig.recompute_kernel=True redoes what a check cannot locate on a device kernel; "
             f"with recompute={cfg.recompute} and recompute_blocks={cfg.recompute_blocks} choose one "
             f"(recompute=True, recompute_blocks=None with it)"
+        )
+    if not cfg.locate and not cfg.recompute:
+        raise ValueError(
+            "TrainConfig.locate=False corrects every detected block by recomputing it; with "
+            "recompute=False nothing would be corrected (keep locate=True or recompute=True)"
         )
     if cfg.remat_policy not in REMAT_POLICIES:
         raise ValueError(
@@ -249,6 +262,7 @@ def train(cfg: TrainConfig) -> dict:
             recompute=cfg.recompute,
             recompute_blocks=cfg.recompute_blocks,
             recompute_kernel=cfg.recompute_kernel,
+            locate=cfg.locate,
         )
         if cfg.protect
         else FaultPolicy.off()

@@ -96,13 +96,23 @@ class FaultPolicy:
     # parallel, data + FSDP), not yet on several GPUs. With `fused` it replaces the fused path's
     # two-tile redo.
     recompute_kernel: bool | None = None
+    # Correct a detected block in place from its checksums where they locate a single error (True,
+    # default), or never (False): every detected block is then recomputed (the device redo, the
+    # loop or recompute_blocks, whichever the policy runs), and one the recompute cannot clear is
+    # reported uncorrectable. Location trusts that one value is wrong; two errors in one block can
+    # pass for one (two equal errors at columns of even sum look like one midway between them,
+    # tests/test_abft.py) and be "corrected" into a third wrong value. Recomputing costs a redo of
+    # the detected block (on GPUs with the device redo, its tile rows alone) where locating costs
+    # nothing, and needs recompute=True; for hardware whose faults come in bursts. In mode
+    # "correct" only; the checksums and the checks are the same either way.
+    locate: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
             raise TypeError(f"FaultPolicy.mode must be a str, one of {self.MODES}; got {self.mode!r}.")
         if self.mode not in self.MODES:
             raise ValueError(f"FaultPolicy.mode must be one of {self.MODES}; got {self.mode!r}.")
-        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused"):
+        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused", "locate"):
             self._set(name, _as_bool(name, getattr(self, name)))
         if self.recompute_kernel is not None:
             self._set(
@@ -156,6 +166,11 @@ class FaultPolicy:
                     f"FaultPolicy.recompute_blocks={rb} and recompute_kernel=True are two ways to redo "
                     f"detected blocks without a branch; choose one."
                 )
+        if not self.locate and not self.recompute and self.mode == "correct":
+            raise ValueError(
+                "FaultPolicy(locate=False) corrects by recomputing, and recompute=False recomputes "
+                "nothing: nothing would be corrected (mode='detect' checks and counts only)."
+            )
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # Normalise a field of the frozen dataclass.

@@ -23,7 +23,10 @@ corrects one per block); usually they are detected and recomputed. One case is s
 errors at columns j1, j2 with j1 + j2 even look exactly like one error of twice the size at (j1 +
 j2) / 2, are "corrected" there, and leave both checksums agreeing with a wrong block (a stuck bit in
 two values of one exponent can do it). A third, quadratically weighted checksum would tell them
-apart; it is not implemented. A smaller ``block_n`` makes two errors in one block less likely.
+apart; it is not implemented. A smaller ``block_n`` makes two errors in one block less likely;
+``FaultPolicy(locate=False)`` (``correct=False`` here) never corrects in place and has the protected
+GEMMs recompute every detected block instead, which closes the case at the cost of a redo per
+detection.
 """
 
 from __future__ import annotations

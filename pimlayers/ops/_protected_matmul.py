@@ -191,7 +191,7 @@ def _checked_gemm(
 
     if _margins.active():
         _margins.record(role, y, *own(), a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
-    out, flags, counts = _finish(y, c, mag, correct=policy.corrects, **kw)
+    out, flags, counts = _finish(y, c, mag, correct=policy.corrects and policy.locate, **kw)
     in_place, pending, flagged, gated_first = _tally(flags, counts)
     detected = jnp.sum(flagged > 0, dtype=jnp.int32)
     in_place, pending, gated_first = (jnp.sum(t, dtype=jnp.int32) for t in (in_place, pending, gated_first))
@@ -214,7 +214,7 @@ def _checked_gemm(
             y2 = _dot(a2, b2, precision, a_t, b_t, prod)
             if _margins.active():
                 _margins.record("redo", y2, *own(), a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
-            out2, flags2, counts2 = _finish(y2, c, mag, correct=True, **kw)
+            out2, flags2, counts2 = _finish(y2, c, mag, correct=policy.locate, **kw)
             still2 = jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32)
             return out2, counts2, still2, jnp.int32(g), jnp.bool_(False)
 
@@ -461,7 +461,7 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
         bn,
         policy.lam,
         F32_ROUNDOFF,
-        True,
+        policy.locate,
         out_dtype,
         policy.gate,
         policy.gate_fill,
