@@ -381,6 +381,25 @@ def test_attention_core_faults_in_scores_and_values_are_corrected():
     assert d["gemm_checked"] == 8 and d["gemm_detected"] >= 2 and d["gemm_uncorrectable"] == 0
 
 
+def test_without_location_the_layers_recompute_what_they_detect():
+    # FaultPolicy(locate=False) through a drop-in layer and the attention core (materialised here):
+    # the same clean outputs, every detection recomputed rather than corrected in place.
+    pol = pl.FaultPolicy(locate=False)
+    m = pnnx.Linear(32, 48, policy=pol, rngs=nnx.Rngs(0))
+    x = _x((16, 32))
+    clean = m(x)
+    pnnx.inject(m, GemmFaults.random(jax.random.key(0), (16, 48), 3, 1.0, bit=30))
+    np.testing.assert_allclose(nnx.jit(lambda mod, a: mod(a))(m, x), clean, rtol=1e-5, atol=1e-5)
+    d = pnnx.fault_report(m).to_dict()
+    assert d["gemm_detected"] == 1 and d["gemm_recomputed"] == 1 and d["gemm_uncorrectable"] == 0
+    q, k, v = _x((2, 6, 4, 8), seed=1), _x((2, 6, 2, 8), seed=2), _x((2, 6, 2, 8), seed=3)
+    faults = {"scores": GemmFaults.random(jax.random.key(1), (2 * 2 * 2 * 6, 6), 3, 1.0, bit=29)}
+    out, r = L.attention_core(q, k, v, faults=faults, policy=pol)
+    np.testing.assert_allclose(out, L.attention_core(q, k, v, policy=pol)[0], rtol=1e-5, atol=1e-6)
+    d = r.to_dict()
+    assert d["gemm_detected"] >= 1 and d["gemm_recomputed"] >= 1 and d["gemm_uncorrectable"] == 0
+
+
 # ---------------------------------------------------------------- protect()
 
 
