@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_checks_kernel import _same, _weights, _x
+from test_checks_kernel import _same_checks, _weights, _x
 
 from pimlayers import ops
 from pimlayers.faults import GemmFaults
@@ -52,12 +52,7 @@ def test_the_kernel_is_the_xla_checks_at_llama_shapes(cuda, k, n):
     got_c, got_mag = jax.jit(lambda v, s, a: checks_kernel(v, s, a * scale, c_terms, mag_terms))(
         x, enc.sums, enc.abs_sums
     )
-    nb = enc.abs_sums.shape[-1]
-    scale_c = jnp.matmul(
-        jnp.abs(x.astype(jnp.float32)), jnp.abs(enc.sums).reshape(k, 2 * nb), precision="highest"
-    )
-    _same(got_c, want_c, np.asarray(scale_c).reshape(np.shape(want_c)), k, "c")
-    _same(got_mag, want_mag, want_mag, k, "mag")
+    _same_checks((got_c, got_mag), (want_c, want_mag), x, enc)
 
 
 def test_asked_for_a_protected_gemm_checks_on_it_and_corrects_a_fault(cuda, monkeypatch):
