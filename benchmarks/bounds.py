@@ -1,7 +1,8 @@
 """The verified flash attention's bounds alone: what XLA computes around the kernels.
 
-``flash_bounds`` (the forward's checksum and bound tiles, from k and v; again from the one-pass
-Pallas kernels of ``FlashConfig(bounds_kernel=True)``, whose tiles are checked against XLA's first)
+``flash_bounds`` (the forward's checksum and bound tiles, from k and v: XLA's,
+``FlashConfig(bounds_kernel=False)``, and the one-pass Pallas kernels', the default on a GPU since
+2026-12-05, whose tiles are checked against XLA's first)
 and ``flash_bwd_bounds`` (the backward's, from q, k, v, do, with δ = rowsum(do ∘ out) from the same
 read of do) at one attention layer of the Llama-3-8B step, timed by their kernels' device time
 (profiler traces of one call), against XLA reading the same inputs once (a sum of each in f32) in
@@ -124,11 +125,12 @@ def _same_bwd(got: dict, want: dict) -> None:
 
 def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: float = 8.0) -> list[dict]:
     q, k, v, do, out = _inputs(b, t, h, kv, d)
-    fwd = jax.jit(lambda k, v: flash_bounds(k, v, lam=lam))
-    cfg = FlashConfig(bounds_kernel=True)
+    xla, cfg = FlashConfig(bounds_kernel=False), FlashConfig(bounds_kernel=True)
+    fwd = jax.jit(lambda k, v: flash_bounds(k, v, lam=lam, config=xla))
     fwd_kernel = jax.jit(lambda k, v: flash_bounds(k, v, lam=lam, config=cfg))
     _same_tiles(fwd_kernel(k, v), fwd(k, v))
-    bwd = jax.jit(lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=lam, out=out))
+    bxla = FlashBwdConfig(bounds_kernel=False)
+    bwd = jax.jit(lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=lam, out=out, config=bxla))
     _check(bwd(q, k, v, do, out), q, k, do, out, lam)
     bcfg = FlashBwdConfig(bounds_kernel=True)
     bwd_kernel = jax.jit(

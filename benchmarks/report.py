@@ -131,8 +131,10 @@ whole protected path (report, recompute loop; fwd+bwd with its backward). Every 
 with XLA's before timing. `bwd` rows (newer runs) time `flash_attention_bwd`'s two kernels alone, with
 and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run;
 since 2026-12-04 also the opt-in fused kernel (`FlashBwdConfig(fused=True)`, "fused kernel" rows),
-and from 2026-12-05 on the two kernels with their bounds from the opt-in Triton kernels
-(`FlashBwdConfig(bounds_kernel=True)`, "bounds kernel" rows).
+and from 2026-12-05 on the two kernels with their bounds from the Triton kernels
+(`FlashBwdConfig(bounds_kernel=True)`, "bounds kernel" rows, opt-in then). Since the later run of
+2026-12-05 those kernels are the default on a GPU: unmarked rows use them and "XLA bounds" rows time
+XLA's (`bounds_kernel=False`).
 Runs after 2026-12-04 add `dev_ms`, the device kernels' time in one call (median of three profiled
 calls), and `dev_vs_cudnn`, its ratio to cuDNN's: the same comparison without the host's dispatch
 and the drift between rounds of wall-clock timing.
@@ -180,7 +182,8 @@ that read's: how many times over the bounds read their inputs; `largest` names t
 From 2026-12-05 a row "forward, Pallas kernels" times the same tiles from two Triton kernels
 (`FlashConfig(bounds_kernel=True)`, checked against XLA's tiles first), and a row "backward,
 Pallas kernels" the backward's from three (`FlashBwdConfig(bounds_kernel=True)`: q, do and out
-read once, k and v twice; checked against XLA's arrays first).
+read once, k and v twice; checked against XLA's arrays first). Both are the default on a GPU since
+the later run of 2026-12-05.
 
 Reading the launch table: `python -m benchmarks.run --suite launch` runs chains of 1000 dependent
 elementwise kernels on 1024 floats in one jitted program (an optimization barrier between them, so

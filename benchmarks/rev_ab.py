@@ -17,7 +17,8 @@ that imported the wrong one.
 Cases (``--case``), each at ``--shape``:
 
 * ``flash`` (Hopper GPUs): the verified flash attention's forward and backward, and both with the
-  checks off (and with the opt-in bounds kernels where the variant has them); shape B,T,H,KV,D
+  checks off, and with the bounds kernels where the variant has them (opt-in before 2026-12-05, the
+  default since, when "XLA bounds" rows time XLA's bounds); shape B,T,H,KV,D
   (default 1,8192,32,8,128), bf16.
 * ``matmul``: the protected GEMM's forward (the default FaultPolicy) and the plain one; shape M,K,N
   (default 8192,4096,14336), bf16 (``--dtype``).
@@ -106,7 +107,8 @@ def _ops(case: str, shape: tuple[int, ...], dtype: str) -> dict:
         "bwd verified": (jax.jit(ops.flash_attention_bwd), bwd),
         "bwd off": (jax.jit(functools.partial(ops.flash_attention_bwd, checks=False)), bwd),
     }
-    # The opt-in bounds kernels, where this variant has them (older revisions do not).
+    # The bounds kernels, where this variant has them (older revisions do not; opt-in before
+    # 2026-12-05), and XLA's bounds where the kernels are the default.
     if "bounds_kernel" in getattr(ops.FlashConfig, "__dataclass_fields__", {}):
         cfg = ops.FlashConfig(bounds_kernel=True)
         table["fwd verified, bounds kernel"] = (
@@ -117,6 +119,18 @@ def _ops(case: str, shape: tuple[int, ...], dtype: str) -> dict:
         cfg = ops.FlashBwdConfig(bounds_kernel=True)
         table["bwd verified, bounds kernel"] = (
             jax.jit(functools.partial(ops.flash_attention_bwd, config=cfg)),
+            bwd,
+        )
+    if ops.FlashBwdConfig.__dataclass_fields__.get("bounds_kernel", False) and (
+        ops.FlashBwdConfig().bounds_kernel is None
+    ):
+        fcfg, bcfg = ops.FlashConfig(bounds_kernel=False), ops.FlashBwdConfig(bounds_kernel=False)
+        table["fwd verified, XLA bounds"] = (
+            jax.jit(functools.partial(ops.flash_attention, config=fcfg)),
+            (q, k, v),
+        )
+        table["bwd verified, XLA bounds"] = (
+            jax.jit(functools.partial(ops.flash_attention_bwd, config=bcfg)),
             bwd,
         )
     return table

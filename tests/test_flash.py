@@ -90,7 +90,9 @@ def test_a_flip_below_the_rounding_bound_passes():
     assert _flagged(checks.scores) == set()  # the last mantissa bit of one f32 score: harmless
 
 
-@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=True)])
+@pytest.mark.parametrize(
+    "config", [ops.FlashConfig(), *(ops.FlashConfig(bounds_kernel=x) for x in (False, True))]
+)
 def test_bounds_shapes_and_tiles(config):
     _, k, v = _qkv()
     ks, vs, km = ops._flash.flash_bounds(k, v, lam=8.0, config=config)
@@ -119,7 +121,9 @@ def test_bounds_kernel_tiles_are_xlas(shape, block_kv):
     kk, kv_ = jax.random.split(jax.random.key(4))
     k = (3 * jax.random.normal(kk, shape)).astype(jnp.bfloat16)
     v = (2 * jax.random.normal(kv_, shape)).astype(jnp.bfloat16)
-    want = ops._flash.flash_bounds(k, v, lam=8.0, config=ops.FlashConfig(block_kv=block_kv))
+    want = ops._flash.flash_bounds(
+        k, v, lam=8.0, config=ops.FlashConfig(block_kv=block_kv, bounds_kernel=False)
+    )
     cfg = ops.FlashConfig(block_kv=block_kv, bounds_kernel=True)
     got = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg))(k, v)
     for name, a, w in zip(("ks", "vs", "km"), got, want, strict=True):
@@ -147,6 +151,24 @@ def test_bounds_kernel_lowers_to_two_triton_kernels_for_a_gpu():
     text = f.trace(k, k).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
     assert "pimlayers_flash_bounds_blocks" in text and "pimlayers_flash_bounds_finish" in text
+
+
+def test_the_default_bounds_are_the_triton_kernels_on_a_gpu_and_xlas_elsewhere():
+    """FlashConfig() lowers to the two Triton kernels for a GPU, to no kernel call for a CPU, where
+    its tiles are XLA's bit for bit; bounds_kernel=False lowers to XLA's for a GPU too."""
+    _, k, v = _qkv()
+    lowered = lambda cfg, platform: (
+        jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg))
+        .trace(k, v)
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+    )
+    assert lowered(ops.FlashConfig(), "cuda").count("__gpu$xla.gpu.triton") == 2
+    assert "triton" not in lowered(ops.FlashConfig(bounds_kernel=False), "cuda")
+    assert "triton" not in lowered(ops.FlashConfig(), "cpu")
+    got = ops._flash.flash_bounds(k, v, lam=8.0)
+    want = ops._flash.flash_bounds(k, v, lam=8.0, config=ops.FlashConfig(bounds_kernel=False))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
 
 
 def test_reference_with_the_bounds_kernel_flags_the_same_rows():

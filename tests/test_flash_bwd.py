@@ -232,7 +232,7 @@ def test_bounds_kernel_is_xlas(shape, with_out):
     out = out if with_out else None
     cfg = FlashBwdConfig(bounds_kernel=True)
     got = jax.jit(lambda *xs: flash_bwd_bounds(*xs[:4], lam=8.0, config=cfg, out=xs[4]))(q, k, v, do, out)
-    want = flash_bwd_bounds(q, k, v, do, lam=8.0, out=out)
+    want = flash_bwd_bounds(q, k, v, do, lam=8.0, out=out, config=FlashBwdConfig(bounds_kernel=False))
     assert ("delta" in got) == with_out
     _same_bwd(got, want)
 
@@ -260,6 +260,25 @@ def test_bounds_kernel_lowers_to_three_triton_kernels_for_a_gpu():
     assert text.count("__gpu$xla.gpu.triton") == 3
     for name in ("keys", "queries", "key_rows"):
         assert f"pimlayers_flash_bwd_bounds_{name}" in text
+
+
+def test_the_default_bounds_are_the_triton_kernels_on_a_gpu_and_xlas_elsewhere():
+    """FlashBwdConfig() lowers to the three Triton kernels for a GPU, to none for a CPU, where its
+    arrays are XLA's bit for bit; bounds_kernel=False lowers to XLA's for a GPU too."""
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    q, k, v, out, _, do = _inputs(seed=11)
+    bounds = lambda cfg: jax.jit(lambda *xs: flash_bwd_bounds(*xs[:4], lam=8.0, config=cfg, out=xs[4]))
+    lowered = lambda cfg, platform: (
+        bounds(cfg).trace(q, k, v, do, out).lower(lowering_platforms=(platform,)).as_text()
+    )
+    assert lowered(FlashBwdConfig(), "cuda").count("__gpu$xla.gpu.triton") == 3
+    assert "triton" not in lowered(FlashBwdConfig(bounds_kernel=False), "cuda")
+    assert "triton" not in lowered(FlashBwdConfig(), "cpu")
+    got = bounds(FlashBwdConfig())(q, k, v, do, out)
+    want = bounds(FlashBwdConfig(bounds_kernel=False))(q, k, v, do, out)
+    assert set(got) == set(want)
+    assert all(np.array_equal(np.asarray(got[n]), np.asarray(want[n])) for n in got)
 
 
 def test_reference_with_the_bounds_kernel_flags_the_same_rows():

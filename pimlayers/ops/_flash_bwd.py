@@ -102,8 +102,12 @@ class FlashBwdConfig:
     # against 4.51 with the checks, 3.72 against 3.34 without. Opt-in until it wins.
     fused: bool = False
     # The checksum tiles and bounds from three Pallas (Triton) kernels that read q, do and out once,
-    # k and v twice (``_flash_bwd_bounds``), instead of XLA's passes; opt-in until measured on a GPU.
-    bounds_kernel: bool = False
+    # k and v twice (``_flash_bwd_bounds``), instead of XLA's passes. None (the default): the Triton
+    # kernels on a GPU, XLA's elsewhere; True: the kernels everywhere (Pallas' interpreter off a GPU,
+    # for tests); False: XLA's everywhere. On an H100 (2026-12-05, B = 1, T = 8192, 32/8 heads,
+    # D = 128) 0.165 ms against XLA's 0.263 (``python -m benchmarks.run --suite bounds``), the
+    # verified backward 4.015 ms against 4.152 (``python -m benchmarks.rev_ab``).
+    bounds_kernel: bool | None = None
 
 
 def bwd_gemms(d: int, config: FlashBwdConfig | None = None) -> tuple[str, ...]:
@@ -215,7 +219,8 @@ def _with_qm(bounds: dict, q1max, bq: int, dtype) -> dict:
 
 
 def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None = None, out=None) -> dict:
-    """The checksum tiles and per-row bounds the kernels read, from XLA (all small next to q, k, v).
+    """The checksum tiles and per-row bounds the kernels read (all small next to q, k, v): from three
+    Triton kernels on a GPU, from XLA elsewhere (``FlashBwdConfig.bounds_kernel`` chooses otherwise).
 
     Tiles (operands' dtype): ``ks``, ``vs`` (B, KV, S/bk, CS, D) and ``qs``, ``dos`` (B, H, T/bq, CS, D)
     hi/lo rows of each block's row sum; ``kd`` (B, KV, S/bk, CS, bk) and ``dod`` (B, H, T/bq, CS, bq)
@@ -229,31 +234,35 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
 
     Every operand is read twice: once for its blocks' sums (over rows), once for its rows' sums (over
     D), whose bound factors come from the other side's blocks (k's from q's, q's from k's), so that
-    order is fixed: all the block sums first. With ``FlashBwdConfig(bounds_kernel=True)`` the same
-    arrays come from three Pallas kernels that read q, do and out once, k and v twice
-    (:mod:`._flash_bwd_bounds`; sums in another order, to f32 rounding).
+    order is fixed: all the block sums first (XLA's). The Triton kernels form the same arrays reading
+    q, do and out once, k and v twice (:mod:`._flash_bwd_bounds`; sums in another order, to f32
+    rounding).
     """
     cfg = config or FlashBwdConfig()
-    b, t, h, d = q.shape
+    _, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g, bq, bk = h // kvh, cfg.block_q, cfg.block_kv
     c_b, c_q = _c_block(lam, d, bk), _c_block(lam, d, bq)
-    if cfg.bounds_kernel:
+    xla = functools.partial(_xla_bwd_bounds, bq=bq, bk=bk, c_b=c_b, c_q=c_q)
+    if cfg.bounds_kernel is False:
+        res = xla(q, k, v, do, out)
+    else:
         from ._flash_bwd_bounds import flash_bwd_bounds_kernel
 
-        kw = dict(bq=bq, bk=bk, cs=CS, c_b=c_b, c_q=c_q)
-        # Triton on a GPU; Pallas' interpreter elsewhere (the reference on a CPU, tests).
-        res = lax.platform_dependent(
-            q,
-            k,
-            v,
-            do,
-            out,
-            cuda=functools.partial(flash_bwd_bounds_kernel, **kw),
-            default=functools.partial(flash_bwd_bounds_kernel, **kw, interpret=True),
-        )
-        consts = dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
-        return _with_qm(res, res.pop("q1max"), bq, q.dtype) | consts
+        kernel = functools.partial(flash_bwd_bounds_kernel, bq=bq, bk=bk, cs=CS, c_b=c_b, c_q=c_q)
+        # Triton on a GPU; elsewhere XLA's, or (True) the kernels in Pallas' interpreter (tests).
+        other = functools.partial(kernel, interpret=True) if cfg.bounds_kernel else xla
+        res = lax.platform_dependent(q, k, v, do, out, cuda=kernel, default=other)
+    consts = dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
+    return _with_qm(res, res.pop("q1max"), bq, q.dtype) | consts
+
+
+def _xla_bwd_bounds(q, k, v, do, out, *, bq: int, bk: int, c_b: float, c_q: float) -> dict:
+    """:func:`flash_bwd_bounds`' arrays from XLA, each query block's largest ‖q‖₁ as ``q1max`` (B, H,
+    T/bq) in place of the ``qm`` tile, no scalars."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
     # Block sums and |block| sums (B, L/n, heads, D), materialised before the tiles are built (XLA
     # fused into the concatenation recomputed them per element in the forward's bounds).
     blk = lax.optimization_barrier(
@@ -289,14 +298,13 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
     )
     rows_t = lambda x: x.transpose(0, 2, 1)  # (B, L, heads) -> (B, heads, L)
     return (
-        _with_qm(tiles, jnp.max(blocks(q1, bq), axis=-1), bq, q.dtype)
+        tiles
         | dict(
+            q1max=jnp.max(blocks(q1, bq), axis=-1),
             tol_s=c_b * rows_t(qt),
             tol_dp=c_b * rows_t(dot),
             tol_st=c_q * rows_t(kt),
             tol_dpt=c_q * rows_t(vt),
-            c_dq=_c_sum(lam, d, s),
-            c_kv=_c_sum(lam, d, g * t),
         )
         | (dict(delta=rows_t(delta[0])) if delta else {})
     )
