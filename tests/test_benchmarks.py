@@ -794,6 +794,33 @@ def test_matmul_parts_checks_the_checks_kernel_before_timing_it():
         matmul._same_checks("off", want, off, x, enc)
 
 
+def test_matmul_parts_leaves_out_an_optional_variant_that_fails_its_check(monkeypatch):
+    """A checks kernel whose (c, mag) differ (as on an H100, 2026-12-05, before the tolerance was
+    derived) is not timed and its row says why; the default and the other variants still are. The
+    default failing its own check stops the suite."""
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+
+    def differs(what, *args):
+        raise AssertionError(f"{what}: the checks kernel's mag differs")
+
+    monkeypatch.setattr(matmul, "_checks_kernel_timed", lambda x, enc: True)
+    monkeypatch.setattr(matmul, "_same_checks", differs)
+    monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 3e-3)
+    (row,) = matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
+    assert (
+        row["checks_kernel_error"]
+        == row["protected_checks_kernel_error"]
+        == ("128->256: the checks kernel's mag differs")
+    )
+    assert "checks_kernel_ms" not in row and "protected_checks_kernel_ms" not in row
+    assert row["protected_ms"] == row["protected_redo_blocks_ms"] == 3.0 and row["ratio"] == 1.0
+    monkeypatch.setattr(matmul, "_no_false_detection", lambda fn_args, what: differs(what))
+    with pytest.raises(AssertionError, match="protected 128->256"):
+        matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
+
+
 def test_step_ab_summary_pools_steps_per_variant_against_the_first():
     from benchmarks import step_ab
 

@@ -171,6 +171,21 @@ def test_the_default_bounds_are_the_triton_kernels_on_a_gpu_and_xlas_elsewhere()
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
 
 
+def test_bounds_kernel_under_vmap_is_one_call_per_example():
+    """On one GPU a vmapped attention call reaches the bounds kernels batched (the default there):
+    Pallas' batching rule, run here by its interpreter, gives each example's own tiles."""
+    kk, kv_ = jax.random.split(jax.random.key(5))
+    shape = (3, 1, 256, 2, 64)  # a vmapped axis of 3 over (B, S, KV, D)
+    k = (3 * jax.random.normal(kk, shape)).astype(jnp.bfloat16)
+    v = (2 * jax.random.normal(kv_, shape)).astype(jnp.bfloat16)
+    cfg = ops.FlashConfig(bounds_kernel=True)
+    f = lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=cfg)
+    got = jax.jit(jax.vmap(f))(k, v)
+    for i in range(shape[0]):
+        want = jax.jit(f)(k[i], v[i])
+        assert all(np.array_equal(np.asarray(a[i]), np.asarray(w)) for a, w in zip(got, want, strict=True))
+
+
 def test_reference_with_the_bounds_kernel_flags_the_same_rows():
     q, k, v = _qkv(seed=3)
     faults = _faults([("scores", 0, 1, 40, 30, 12), ("out", 1, 2, 200, 28, 7)])

@@ -281,6 +281,23 @@ def test_the_default_bounds_are_the_triton_kernels_on_a_gpu_and_xlas_elsewhere()
     assert all(np.array_equal(np.asarray(got[n]), np.asarray(want[n])) for n in got)
 
 
+def test_bounds_kernel_under_vmap_is_one_call_per_example():
+    """The backward's bounds kernels batched by vmap (Pallas' batching rule, its interpreter here)
+    give each example's own arrays, as on one GPU where they are the default."""
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    per = [_inputs(1, 128, 4, 2, 64, seed=20 + i) for i in range(2)]
+    q, k, v, out, _, do = (jnp.stack(xs) for xs in zip(*per, strict=True))
+    cfg = FlashBwdConfig(bounds_kernel=True)
+    f = lambda q, k, v, do, out: flash_bwd_bounds(q, k, v, do, lam=8.0, config=cfg, out=out)
+    got = jax.jit(jax.vmap(f))(q, k, v, do, out)
+    for i in range(2):
+        want = jax.jit(f)(q[i], k[i], v[i], do[i], out[i])
+        for n, w in want.items():
+            a = np.asarray(got[n])[i] if np.ndim(got[n]) else np.asarray(got[n])
+            assert np.array_equal(a, np.asarray(w)), n
+
+
 def test_reference_with_the_bounds_kernel_flags_the_same_rows():
     from pimlayers.ops._flash_bwd import FlashBwdConfig
 
