@@ -171,6 +171,25 @@ def test_the_default_bounds_are_the_triton_kernels_on_a_gpu_and_xlas_elsewhere()
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
 
 
+def test_the_environment_can_make_the_default_bounds_xlas(monkeypatch):
+    """PIMLAYERS_BOUNDS_KERNEL=0: the default lowers to XLA's bounds for a GPU too (the forward's and
+    the backward's); an explicit True still asks for the kernels."""
+    from pimlayers.ops._flash_bwd import FlashBwdConfig, flash_bwd_bounds
+
+    monkeypatch.setenv("PIMLAYERS_BOUNDS_KERNEL", "0")
+    _, k, v = _qkv()
+    q = jnp.concatenate([k, k], axis=2)  # 2 query heads per KV head: any values do for lowering
+
+    def lowered(fwd, bwd):
+        f = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=fwd))
+        g = jax.jit(lambda a, b, c: flash_bwd_bounds(a, b, c, a, lam=8.0, config=bwd, out=a))
+        low = lambda fn, *xs: fn.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+        return low(f, k, v).count("xla.gpu.triton"), low(g, q, k, v).count("xla.gpu.triton")
+
+    assert lowered(ops.FlashConfig(), FlashBwdConfig()) == (0, 0)
+    assert lowered(ops.FlashConfig(bounds_kernel=True), FlashBwdConfig(bounds_kernel=True)) == (2, 3)
+
+
 def test_bounds_kernel_under_vmap_is_one_call_per_example():
     """On one GPU a vmapped attention call reaches the bounds kernels batched (the default there):
     Pallas' batching rule, run here by its interpreter, gives each example's own tiles."""

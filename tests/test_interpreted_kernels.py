@@ -7,8 +7,9 @@ TMA pipelining and barriers, their in-kernel checksums, bounds and fault injecti
 same XLA references the GPU tests use. What it cannot: speed, asynchronous wgmma, the hardware's
 approximate exp2 and its own races (``compute-sanitizer`` on a GPU). Not interpreted yet: the
 opt-in fused backward kernel (``FlashBwdConfig(fused=True)``: its accumulators are mutable refs
-passed into the kernel, which the interpreter cannot place) and the Triton bounds kernels (Pallas'
-own interpreter runs those, ``test_flash.py``).
+passed into the kernel, which the interpreter cannot place) and the Triton bounds kernels, the
+attention's default on a GPU, which the GPU interpreter cannot run (Pallas' own interpreter runs
+those, ``test_flash.py``): here the bounds are XLA's (``PIMLAYERS_BOUNDS_KERNEL=0``).
 
 The interpreter can deadlock: each simulated warpgroup is a jitted program whose barrier waits
 block inside host callbacks, and on a 2-core machine a backward kernel's warpgroups have all waited
@@ -50,8 +51,10 @@ in_process = pytest.mark.skipif(
 
 @contextlib.contextmanager
 def _interpreting():
-    """The kernels' Hopper gates open and the interpreter on."""
+    """The kernels' Hopper gates open, the bounds XLA's (the GPU interpreter cannot run the Triton
+    bounds kernels) and the interpreter on."""
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIMLAYERS_BOUNDS_KERNEL", "0")
         for mod in (ops._flash, ops._flash_bwd, ops._fused_gemm):
             mp.setattr(mod, "hopper", lambda: True)
         mp.setattr(ops._fused_gemm, "_sm_count", lambda: 2)  # a persistent grid of two CTAs

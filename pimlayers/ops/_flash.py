@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -93,6 +94,7 @@ class FlashConfig:
     # a GPU, XLA's elsewhere; True: the kernels everywhere (Pallas' interpreter off a GPU, for
     # tests); False: XLA's everywhere. On an H100 (2026-12-05) 0.017 ms against XLA's 0.024 at
     # B = 1, T = 8192, 8 KV heads, D = 128 (``python -m benchmarks.run --suite bounds``).
+    # ``PIMLAYERS_BOUNDS_KERNEL=0`` in the environment makes None mean False (:func:`bounds_kernel`).
     bounds_kernel: bool | None = None
 
 
@@ -193,14 +195,27 @@ def flash_bounds(k, v, *, lam: float, config: FlashConfig | None = None):
     bk = cfg.block_kv
     c_qk, c_pv = _bound_consts(k.shape[3], k.shape[1], bk, lam)
     xla = functools.partial(_xla_bounds, bk=bk, c_qk=c_qk, c_pv=c_pv)
-    if cfg.bounds_kernel is False:
+    choice = bounds_kernel(cfg.bounds_kernel)
+    if choice is False:
         return xla(k, v)
     from ._flash_bounds import flash_bounds_kernel
 
     kernel = functools.partial(flash_bounds_kernel, bk=bk, cs=CS, c_qk=c_qk, c_pv=c_pv)
     # Triton on a GPU; elsewhere XLA's, or (True) the kernels in Pallas' interpreter (tests).
-    other = functools.partial(kernel, interpret=True) if cfg.bounds_kernel else xla
+    other = functools.partial(kernel, interpret=True) if choice else xla
     return lax.platform_dependent(k, v, cuda=kernel, default=other)
+
+
+def bounds_kernel(flag: bool | None) -> bool | None:
+    """``FlashConfig.bounds_kernel`` / ``FlashBwdConfig.bounds_kernel`` as the bounds take it: None
+    (the Triton kernels on a GPU, XLA's elsewhere) becomes False (XLA's everywhere) where the
+    process's environment has ``PIMLAYERS_BOUNDS_KERNEL=0``. Read when a program is traced: set it
+    before the first call. For a process that cannot run Triton kernels on its GPU platform (jax's
+    Mosaic-GPU interpreter on a CPU, ``tests/test_interpreted_kernels.py``), or to compare without
+    threading a config through the layers."""
+    if flag is None and os.environ.get("PIMLAYERS_BOUNDS_KERNEL", "1") == "0":
+        return False
+    return flag
 
 
 def _xla_bounds(k, v, *, bk: int, c_qk: float, c_pv: float):

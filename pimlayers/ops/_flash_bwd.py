@@ -67,7 +67,20 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._flash import _U, CS, _block_sums, _c_block, _flip, _load, _ratio, _split, _stream, _tile, _tile_sum
+from ._flash import (
+    _U,
+    CS,
+    _block_sums,
+    _c_block,
+    _flip,
+    _load,
+    _ratio,
+    _split,
+    _stream,
+    _tile,
+    _tile_sum,
+    bounds_kernel,
+)
 from ._fused_gemm import hopper
 
 __all__ = [
@@ -244,14 +257,15 @@ def flash_bwd_bounds(q, k, v, do, *, lam: float, config: FlashBwdConfig | None =
     g, bq, bk = h // kvh, cfg.block_q, cfg.block_kv
     c_b, c_q = _c_block(lam, d, bk), _c_block(lam, d, bq)
     xla = functools.partial(_xla_bwd_bounds, bq=bq, bk=bk, c_b=c_b, c_q=c_q)
-    if cfg.bounds_kernel is False:
+    choice = bounds_kernel(cfg.bounds_kernel)  # PIMLAYERS_BOUNDS_KERNEL=0: None means False
+    if choice is False:
         res = xla(q, k, v, do, out)
     else:
         from ._flash_bwd_bounds import flash_bwd_bounds_kernel
 
         kernel = functools.partial(flash_bwd_bounds_kernel, bq=bq, bk=bk, cs=CS, c_b=c_b, c_q=c_q)
         # Triton on a GPU; elsewhere XLA's, or (True) the kernels in Pallas' interpreter (tests).
-        other = functools.partial(kernel, interpret=True) if cfg.bounds_kernel else xla
+        other = functools.partial(kernel, interpret=True) if choice else xla
         res = lax.platform_dependent(q, k, v, do, out, cuda=kernel, default=other)
     consts = dict(c_dq=_c_sum(lam, d, s), c_kv=_c_sum(lam, d, g * t))
     return _with_qm(res, res.pop("q1max"), bq, q.dtype) | consts
