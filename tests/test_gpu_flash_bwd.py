@@ -108,11 +108,16 @@ GEMM_IDS = [f"{g}-{'fused' if c.fused else 'two'}" for g, c in GEMMS]
 @pytest.mark.parametrize("bit", [30, 24])
 def test_bwd_kernels_flag_the_flipped_rows(hopper, gemm, cfg, bit, shape=(1, 512, 8, 2, 128, True)):
     """``shape``: (B, T, H, KV, D, causal) with H, KV >= 2 and T >= 128 (the interpreted tests run
-    a smaller one than the GPU's)."""
+    a smaller one than the GPU's). Every GEMM the build runs gets a site array, all -1 (no flip)
+    but ``gemm``'s: the faults' structure, and so the jitted program, is the same for every case of
+    a build (the bits and columns are data), where a structure per GEMM compiled the kernels anew
+    for each of the fourteen cases (on an H100 this file's first eight tests, each its own program,
+    took 220 s, 2026-12-05)."""
     b, t, h, kv, d, causal = shape
     args = _inputs(b, t, h, kv, d, causal, seed=1)
     q_side = gemm in ("scores", "dp", "dq")
-    sites = (b, h, t) if q_side else (b, kv, t)
+    shape_of = lambda g: (b, h, t) if g in ("scores", "dp", "dq") else (b, kv, t)
+    sites = shape_of(gemm)
     # Late query rows that see many keys (the dq kernel's GEMMs), early key rows that many queries
     # see (the dk/dv kernel's): at T = 512, rows 300, 301, 511 and 3, 200, 301.
     rows = [t * 300 // 512, t * 300 // 512 + 1, t - 1] if q_side else [3, t * 200 // 512, t * 301 // 512]
@@ -124,7 +129,11 @@ def test_bwd_kernels_flag_the_flipped_rows(hopper, gemm, cfg, bit, shape=(1, 512
         cols[0, 1, r] = {"scores": r - 7, "dp": r // 2, "scores_t": t * 400 // 512, "dp_t": r + 9}.get(
             gemm, r % d
         )
-    f = ops.FlashBwdFaults(**{gemm: (jnp.asarray(bits), jnp.asarray(cols))})
+    none = {
+        g: (jnp.full(shape_of(g), -1, jnp.int32), jnp.zeros(shape_of(g), jnp.int32))
+        for g in bwd_gemms(d, cfg)
+    }
+    f = ops.FlashBwdFaults(**(none | {gemm: (jnp.asarray(bits), jnp.asarray(cols))}))
     got = ops.flash_attention_bwd(*args, f, causal=causal, config=cfg)[3]
     want = ops.flash_attention_bwd_reference(*args, f, causal=causal, config=cfg)[3]
     flagged = {tuple(i) for i in np.argwhere(~(np.asarray(getattr(got, gemm)) <= 1.0)).tolist()}
