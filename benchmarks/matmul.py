@@ -32,6 +32,7 @@ from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
 
 from ._harness import time_fn, time_pair
+from .profile import kernel_events
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
 SMALL_SHAPES = [(256, 1024), (1024, 256), (512, 512)]  # the CPU goal: "protected Dense at small sizes"
@@ -227,6 +228,20 @@ def _refused(fns: dict, errors: dict, names: tuple[str, ...], check, *args) -> N
             errors[name] = str(err)
 
 
+def _kernel_cols(name: str, fn, args) -> dict:
+    """``{name}_dev_ms`` (the device kernels' time in one call, copies included) and
+    ``{name}_kernels`` (the six costliest, "name µs; ..."), from a profiler trace; none without a
+    device timeline (a CPU). On an H100 the device redo's forward at 4096 -> 14336 took 0.085 ms
+    more than recomputing nothing, about what a copy of its 235 MB product would take, where the
+    redo kernel itself should only read the flags (2026-12-05, matmul-parts-s40): these columns say
+    which kernel it is."""
+    us = kernel_events(fn, *args, copies=True)[0]
+    if not us:
+        return {}
+    top = "; ".join(f"{k} {v:.0f}" for k, v in us.most_common(6))
+    return {f"{name}_dev_ms": sum(us.values()) / 1e3, f"{name}_kernels": top}
+
+
 def _no_false_detection(fn_args, what: str) -> None:
     """A protected forward on clean inputs detects nothing."""
     fn, args = fn_args
@@ -300,7 +315,9 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
     ``FaultPolicy(fused=True)`` (on a Hopper GPU, at 128-column blocks, the fused kernel, whose GEMM
     with its block sums alone is ``fused_kernel``). Each output is checked before timing; an optional
     variant (every ``protected_*`` but the default, the checks kernel) that fails its check is not
-    timed and its ``{name}_error`` column says why, where the default failing stops the suite.
+    timed and its ``{name}_error`` column says why, where the default failing stops the suite. On a
+    GPU ``protected_dev_ms`` / ``protected_kernels`` (and the same for ``protected_no_recompute``)
+    give one call's device kernels, copies included (:func:`_kernel_cols`).
     """
     rows = []
     native = _native_encode()
@@ -401,6 +418,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             row = dict(op=f"fwd {k}->{n}", m=m, block_n=block_n or "row")
             row.update({f"{name}_error": msg for name, msg in errors.items()})
             row.update({f"{name}_ms": time_fn(fn, *a) * 1e3 for name, (fn, a) in fns.items()})
+            for name in ("protected", "protected_no_recompute"):  # where the device time goes
+                row.update(_kernel_cols(name, *fns[name]))
             if not native:
                 row.update(encode_native_ms=None, encode_transposed_native_ms=None)
             row.setdefault("encode_pair_native_ms", None)

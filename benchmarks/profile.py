@@ -122,12 +122,13 @@ def _sums(
 
 
 def kernel_events(
-    fn: typing.Callable[..., typing.Any], *args, warmup: int = 2
+    fn: typing.Callable[..., typing.Any], *args, warmup: int = 2, copies: bool = False
 ) -> tuple[collections.Counter, collections.Counter]:
     """µs and launches by kernel name of the device kernels one call of ``fn(*args)`` launched (each
     name summed over its launches), from a JAX profiler trace: device time alone, free of the host's
     dispatch and of a loop's own overhead (on an H200 a jitted loop's wall clock per trip exceeded
-    the finish kernel's own time at 67 MB by ~25 µs). Copies and memsets are left out. ``fn`` must
+    the finish kernel's own time at 67 MB by ~25 µs). Copies and memsets are left out unless
+    ``copies`` (XLA copying a buffer it could not update in place shows as one). ``fn`` must
     accept being called ``warmup + 1`` times with ``args`` (no donation of them). Both empty without
     a device timeline (a CPU)."""
     for _ in range(warmup):
@@ -139,7 +140,7 @@ def kernel_events(
     if timeline != "device":
         return collections.Counter(), collections.Counter()
     keep = lambda c: collections.Counter(
-        {k: v for k, v in c.items() if not k.startswith(("Memcpy", "Memset"))}
+        {k: v for k, v in c.items() if copies or not k.startswith(("Memcpy", "Memset"))}
     )
     return keep(by_name), keep(count)
 

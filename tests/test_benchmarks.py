@@ -821,6 +821,39 @@ def test_matmul_parts_leaves_out_an_optional_variant_that_fails_its_check(monkey
         matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
 
 
+def test_kernel_events_keep_copies_only_when_asked(monkeypatch):
+    """A copy XLA inserts (a buffer it could not update in place) is a Memcpy on the device's
+    timeline: left out of the kernels' time by default, kept with ``copies=True``."""
+    import collections
+
+    from benchmarks import profile
+
+    us = collections.Counter({"gemm": 1300.0, "MemcpyDtoD": 85.0, "Memset": 1.0})
+    n = collections.Counter({"gemm": 1, "MemcpyDtoD": 1, "Memset": 1})
+    monkeypatch.setattr(profile, "_sums", lambda d: ("device", us, collections.Counter(), 3, n))
+    f = lambda x: x + 1
+    assert profile.kernel_events(f, 1.0)[0] == collections.Counter({"gemm": 1300.0})
+    assert profile.kernel_events(f, 1.0, copies=True)[0] == us
+
+
+def test_matmul_parts_lists_the_protected_gemms_kernels_where_there_is_a_device_timeline(monkeypatch):
+    import collections
+
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+
+    (row,) = matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
+    assert not any(c.endswith(("_dev_ms", "_kernels")) for c in row)  # a CPU: no device timeline
+    us = collections.Counter({"gemm": 1300.0, "MemcpyDtoD": 85.0, "finish": 50.0})
+    monkeypatch.setattr(matmul, "kernel_events", lambda fn, *a, copies: (us if copies else None, None))
+    monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 3e-3)
+    (row,) = matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
+    for name in ("protected", "protected_no_recompute"):
+        assert row[f"{name}_dev_ms"] == pytest.approx(1.435)
+        assert row[f"{name}_kernels"] == "gemm 1300; MemcpyDtoD 85; finish 50"
+
+
 def test_step_ab_summary_pools_steps_per_variant_against_the_first():
     from benchmarks import step_ab
 
