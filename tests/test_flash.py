@@ -171,6 +171,23 @@ def test_the_default_bounds_are_the_triton_kernels_on_a_gpu_and_xlas_elsewhere()
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
 
 
+def test_the_references_bounds_are_xlas_unless_asked_for_the_kernels():
+    """The references (pure XLA, for tests and non-Hopper fallbacks) lower to no Triton call for a GPU
+    with the default config, where the kernels' own paths take the Triton bounds; True asks for them."""
+    from pimlayers.ops._flash_bwd import FlashBwdConfig
+
+    q, k, v = _qkv()
+    out, lse, _ = _reference(q, k, v)
+    low = lambda fn, *xs: jax.jit(fn).trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
+    fwd = lambda cfg: low(lambda a, b, c: ops.flash_attention_reference(a, b, c, config=cfg), q, k, v)
+    bwd = lambda cfg: low(
+        lambda *xs: ops.flash_attention_bwd_reference(*xs, config=cfg)[:3], q, k, v, out, lse, q
+    )
+    assert "triton" not in fwd(None) and "triton" not in bwd(None)
+    assert fwd(ops.FlashConfig(bounds_kernel=True)).count("xla.gpu.triton") == 2
+    assert bwd(FlashBwdConfig(bounds_kernel=True)).count("xla.gpu.triton") == 3
+
+
 def test_the_environment_can_make_the_default_bounds_xlas(monkeypatch):
     """PIMLAYERS_BOUNDS_KERNEL=0: the default lowers to XLA's bounds for a GPU too (the forward's and
     the backward's); an explicit True still asks for the kernels."""

@@ -218,6 +218,12 @@ def bounds_kernel(flag: bool | None) -> bool | None:
     return flag
 
 
+def _xla_bounds_unless_asked(cfg):
+    """``cfg`` (a FlashConfig or FlashBwdConfig) with the default bounds (None) made XLA's (False):
+    what the references use, where the kernels' own paths keep the Triton kernels on a GPU."""
+    return dataclasses.replace(cfg, bounds_kernel=False) if cfg.bounds_kernel is None else cfg
+
+
 def _xla_bounds(k, v, *, bk: int, c_qk: float, c_pv: float):
     """:func:`flash_bounds`' tiles from XLA: block sums as a tree of adds, then the small tiles."""
     b, s, kvh, _ = k.shape
@@ -715,8 +721,10 @@ def flash_attention_reference(
     config: FlashConfig | None = None,
 ) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks]:
     """The kernel's results through XLA, scores materialised in f32: the same checksums, bounds and
-    injected flips (per row), the output rounded to q's dtype. Any backend; for tests."""
-    cfg = config or FlashConfig()
+    injected flips (per row), the output rounded to q's dtype. Any backend; for tests. Its bounds are
+    XLA's on every platform unless ``config.bounds_kernel`` is True (the default's Triton kernels
+    are the Hopper kernel's, measured there)."""
+    cfg = _xla_bounds_unless_asked(config or FlashConfig())
     _check_inputs(q, k, v, causal, cfg)
     if q.dtype != jnp.bfloat16:
         raise TypeError(

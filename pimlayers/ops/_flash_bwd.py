@@ -79,6 +79,7 @@ from ._flash import (
     _stream,
     _tile,
     _tile_sum,
+    _xla_bounds_unless_asked,
     bounds_kernel,
 )
 from ._fused_gemm import hopper
@@ -729,9 +730,11 @@ def flash_attention_bwd_reference(
     config: FlashBwdConfig | None = None,
 ) -> tuple[Float[Array, "b t h d"], Float[Array, "b s kv d"], Float[Array, "b s kv d"], FlashBwdChecks]:
     """The kernels' results through XLA, every product materialised in f32: the same checksums, bounds,
-    injected flips and bf16 roundings of p and ds. Any backend; for tests."""
+    injected flips and bf16 roundings of p and ds. Any backend; for tests. Its bounds are XLA's on
+    every platform unless ``config.bounds_kernel`` is True."""
     if faults is not None:
         _check_faults(q, k, faults, config)
+    config = _xla_bounds_unless_asked(config or FlashBwdConfig())
     cfg, scale, delta, bd, (q, k, v, out, dout) = _prepare(
         q, k, v, out, lse, dout, causal, scale, lam, config, "flash_attention_bwd_reference", True
     )
