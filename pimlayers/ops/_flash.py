@@ -91,10 +91,11 @@ class FlashConfig:
     fuse_e: bool = True
     # The checksum and bound tiles from two Pallas (Triton) kernels, one pass over k and v
     # (``_flash_bounds``), instead of XLA's seven kernels. None (the default): the Triton kernels on
-    # a GPU, XLA's elsewhere; True: the kernels everywhere (Pallas' interpreter off a GPU, for
-    # tests); False: XLA's everywhere. On an H100 (2026-12-05) 0.017 ms against XLA's 0.024 at
-    # B = 1, T = 8192, 8 KV heads, D = 128 (``python -m benchmarks.run --suite bounds``).
-    # ``PIMLAYERS_BOUNDS_KERNEL=0`` in the environment makes None mean False (:func:`bounds_kernel`).
+    # a GPU, XLA's elsewhere and in ``flash_attention_reference``; True: the kernels everywhere
+    # (Pallas' interpreter off a GPU, for tests); False: XLA's everywhere. On an H100 (2026-12-05)
+    # 0.017 ms against XLA's 0.024 at B = 1, T = 8192, 8 KV heads, D = 128 (``python -m
+    # benchmarks.run --suite bounds``). ``PIMLAYERS_BOUNDS_KERNEL=0`` in the environment makes None
+    # mean False (:func:`bounds_kernel`).
     bounds_kernel: bool | None = None
 
 

@@ -117,10 +117,11 @@ class FlashBwdConfig:
     fused: bool = False
     # The checksum tiles and bounds from three Pallas (Triton) kernels that read q, do and out once,
     # k and v twice (``_flash_bwd_bounds``), instead of XLA's passes. None (the default): the Triton
-    # kernels on a GPU, XLA's elsewhere; True: the kernels everywhere (Pallas' interpreter off a GPU,
-    # for tests); False: XLA's everywhere. On an H100 (2026-12-05, B = 1, T = 8192, 32/8 heads,
-    # D = 128) 0.165 ms against XLA's 0.263 (``python -m benchmarks.run --suite bounds``), the
-    # verified backward 4.015 ms against 4.152 (``python -m benchmarks.rev_ab``).
+    # kernels on a GPU, XLA's elsewhere and in the reference; True: the kernels everywhere (Pallas'
+    # interpreter off a GPU, for tests); False: XLA's everywhere. On an H100 (2026-12-05, B = 1,
+    # T = 8192, 32/8 heads, D = 128) 0.165 ms against XLA's 0.263 (``python -m benchmarks.run
+    # --suite bounds``), the verified backward 4.015 ms against 4.152 (``python -m
+    # benchmarks.rev_ab``).
     bounds_kernel: bool | None = None
 
 
