@@ -115,8 +115,9 @@ def test_bwd_kernels_flag_the_flipped_rows(hopper, gemm, cfg, bit, shape=(1, 512
     took 220 s, 2026-12-05)."""
     b, t, h, kv, d, causal = shape
     args = _inputs(b, t, h, kv, d, causal, seed=1)
-    q_side = gemm in ("scores", "dp", "dq")
-    shape_of = lambda g: (b, h, t) if g in ("scores", "dp", "dq") else (b, kv, t)
+    q_gemms = ("scores", "dp", "dq")  # sites per query row; the others per key row
+    q_side = gemm in q_gemms
+    shape_of = lambda g: (b, h, t) if g in q_gemms else (b, kv, t)
     sites = shape_of(gemm)
     # Late query rows that see many keys (the dq kernel's GEMMs), early key rows that many queries
     # see (the dk/dv kernel's): at T = 512, rows 300, 301, 511 and 3, 200, 301.
