@@ -126,7 +126,8 @@ be built on, against what the library already calls, side by side in one run. GE
 `pallas_speed_vs_xla` > 1 means the Pallas kernel is faster (headroom a fused epilogue could spend).
 Attention rows: causal GQA at the issue's shape; `vs_cudnn` = cuDNN time / that row's time (goal 2:
 protected attention >= 0.93). `pimlayers flash_attention` rows are the kernel with and without its
-in-kernel checks (bounds computed by XLA included); `attention_core, protected` rows are the layer's
+in-kernel checks (their bounds' time included: XLA's, or from the later run of 2026-12-05 on the
+Triton bounds kernels'); `attention_core, protected` rows are the layer's
 whole protected path (report, recompute loop; fwd+bwd with its backward). Every output is compared
 with XLA's before timing. `bwd` rows (newer runs) time `flash_attention_bwd`'s two kernels alone, with
 and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run;
