@@ -16,6 +16,15 @@ processes now share XLA's autotuning results (``--xla_gpu_per_fusion_autotune_ca
 temporary folder; ``--own-autotuning`` for the old behaviour), so the GEMMs and fusions that XLA
 autotunes get the same choices in every process; whether that narrows the spread is not yet
 measured. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
+
+``--attention fwd`` (or ``fwd+bwd``) times the protected attention core instead of a training step:
+``layers.attention_core`` with the default FaultPolicy (its rerun loop included) at one Llama-3-8B
+layer's attention (B = 1, T = ``--seq``, 32 query / 8 KV heads, D = 128, ``--dtype``), ``--steps``
+calls per process after one that compiles. For settings that act on that loop, such as XLA's
+command buffers with device-side loops (``--env
+"XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"``): the loop's predicate goes
+through the host on every call otherwise (on an H100, 2026-12-05, the forward took 0.799x of
+cuDNN's speed with the loop and 0.929x without it, peers-s43).
 """
 
 from __future__ import annotations
@@ -34,7 +43,37 @@ from ._harness import command_line, write_result
 __all__ = ["main", "summarize", "variant_envs"]
 
 
+def _attention_child(args) -> None:
+    """Seconds per call of the protected attention core (forward, or forward and backward)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from pimlayers import layers
+    from pimlayers.faults import FaultPolicy
+
+    b, t, h, kv, d = 1, args.seq, 32, 8, 128
+    ks = jax.random.split(jax.random.key(0), 3)
+    mk = lambda key, n: jax.random.normal(key, (b, t, n, d), jnp.float32).astype(args.dtype)
+    q, k, v = mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv)
+    fwd = lambda q, k, v: layers.attention_core(q, k, v, policy=FaultPolicy())[0]
+    if args.attention == "fwd":
+        fn = jax.jit(fwd)
+    else:
+        loss = lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32))
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    seconds = []
+    for _ in range(args.steps):  # the first compiles, and is left out as a training step's is
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(q, k, v))
+        seconds.append(time.perf_counter() - t0)
+    print("STEP_AB " + json.dumps({"step_seconds": seconds[1:]}))
+
+
 def _child(args) -> None:
+    if args.attention:
+        return _attention_child(args)
     from train.llama3 import train
 
     from .llama3 import step_config
@@ -96,6 +135,11 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="llama3_8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--unprotected", action="store_true", help="the stock step (cuDNN attention)")
+    ap.add_argument(
+        "--attention",
+        choices=("fwd", "fwd+bwd"),
+        help="time the protected attention core (one layer's) instead of a training step",
+    )
     ap.add_argument(
         "--own-autotuning",
         action="store_true",

@@ -902,6 +902,30 @@ def test_step_ab_refuses_a_setting_that_is_not_name_equals_value():
         step_ab.main([])
 
 
+def test_step_ab_times_the_attention_core_per_variant(tmp_path, monkeypatch, capsys):
+    """``--attention fwd``: each variant's process times the protected attention core (here the
+    CPU's materialised path at a short sequence), and the rows pool its calls per variant."""
+    import json
+
+    from benchmarks import _harness, step_ab
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    step_ab.main(["--env", "PIMLAYERS_TEST_AB=1", "--attention", "fwd", "--seq", "64", "--steps", "4",
+                  "--rounds", "1", "--dtype", "float32", "--tag", "attn"])  # fmt: skip
+    (path,) = tmp_path.glob("*-step-ab-attn-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("base", 0),
+        ("PIMLAYERS_TEST_AB=1", 0),
+        ("base", "all"),
+        ("PIMLAYERS_TEST_AB=1", "all"),
+    ]
+    assert all(r["steps"] == 3 and r["step_ms"] > 0 for r in rows)  # the compiling call left out
+    assert rows[2]["vs_base"] == 1.0 and rows[3]["vs_base"] > 0
+    assert "round 0 base: median step" in capsys.readouterr().out
+
+
 def test_rev_ab_summary_takes_medians_over_rounds_against_the_working_tree():
     from benchmarks import rev_ab
 
