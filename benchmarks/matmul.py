@@ -193,18 +193,20 @@ def _asking_for_checks_kernel(fn):
     return run
 
 
-def _same_checks(what: str, want, got, x, enc: WeightChecksums) -> None:
+def _same_checks(what: str, want, got, x, enc: WeightChecksums, transposed: bool = False) -> None:
     """The kernel's (c, mag) against ``abft_checks``': within ``accumulation_tolerance(k)`` of each
-    sum's magnitude (f32 accumulation in another order; the same split terms on both sides)."""
+    sum's magnitude (f32 accumulation in another order; the same split terms on both sides): |x|
+    against |sums| for c, mag itself (a sum of non-negative products) for mag. Any batch of
+    weights, x transposed or not (the tests' cases use it too)."""
+    from pimlayers.ops._abft import _dot_x
     from pimlayers.ops._checks_kernel import accumulation_tolerance
 
-    k, nb = enc.abs_sums.shape
+    k = x.shape[-2] if transposed else x.shape[-1]
     tol = accumulation_tolerance(k)
-    ax = jnp.abs(x.astype(jnp.float32))
-    scales = (
-        jnp.matmul(ax, jnp.abs(enc.sums).reshape(k, 2 * nb), precision="highest").reshape(-1, nb, 2),
-        jnp.matmul(ax, enc.abs_sums, precision="highest"),
-    )
+    nb = enc.abs_sums.shape[-1]
+    abs_sums = jnp.abs(enc.sums).reshape(*enc.sums.shape[:-2], nb * 2)
+    c_scale = _dot_x(jnp.abs(x.astype(jnp.float32)), abs_sums, transposed, precision="highest")
+    scales = (jnp.reshape(c_scale, jnp.shape(want[0])), want[1])
     for name, a, b, sc in zip(("c", "mag"), want, got, scales, strict=True):
         diff = np.asarray(jnp.abs(a - b), np.float64)
         sc = np.asarray(sc, np.float64)
@@ -235,11 +237,18 @@ def _kernel_cols(name: str, fn, args) -> dict:
     more than recomputing nothing, about what a copy of its 235 MB product would take, where the
     redo kernel itself should only read the flags (2026-12-05, matmul-parts-s40): these columns say
     which kernel it is."""
+    if not _device_timeline():  # a CPU: the trace would hold no device kernels
+        return {}
     us = kernel_events(fn, *args, copies=True)[0]
     if not us:
         return {}
     top = "; ".join(f"{k} {v:.0f}" for k, v in us.most_common(6))
     return {f"{name}_dev_ms": sum(us.values()) / 1e3, f"{name}_kernels": top}
+
+
+def _device_timeline() -> bool:
+    """Whether JAX's first device is an accelerator, whose profiler trace has a device timeline."""
+    return jax.devices()[0].platform != "cpu"
 
 
 def _no_false_detection(fn_args, what: str) -> None:

@@ -846,6 +846,7 @@ def test_matmul_parts_lists_the_protected_gemms_kernels_where_there_is_a_device_
     (row,) = matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
     assert not any(c.endswith(("_dev_ms", "_kernels")) for c in row)  # a CPU: no device timeline
     us = collections.Counter({"gemm": 1300.0, "MemcpyDtoD": 85.0, "finish": 50.0})
+    monkeypatch.setattr(matmul, "_device_timeline", lambda: True)  # as on a GPU
     monkeypatch.setattr(matmul, "kernel_events", lambda fn, *a, copies: (us if copies else None, None))
     monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 3e-3)
     (row,) = matmul.parts(m=32, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.matmul import _same_checks
 from pimlayers import ops
 from pimlayers._native import has_native
 from pimlayers.ops import _abft, _checks_kernel
@@ -49,18 +50,6 @@ def _same(got, want, scale, k: int, what: str = ""):
     assert np.all(np.abs(got - want) <= tol * scale + 1e-30), f"{what}: {worst:.3g} > {tol:.3g} (k={k})"
 
 
-def _same_checks(got, want, x, enc: WeightChecksums, transposed: bool = False):
-    """The kernel's (c, mag) against the XLA checks', each to :func:`_same` of the magnitude it
-    carries: |x| against |sums| for c, mag itself (a sum of non-negative products) for mag."""
-    k = x.shape[-2] if transposed else x.shape[-1]
-    ax = jnp.abs(x.astype(jnp.float32))
-    nb = enc.abs_sums.shape[-1]
-    abs_sums = jnp.abs(enc.sums).reshape(*enc.sums.shape[:-2], nb * 2)
-    c_scale = _abft._dot_x(ax, abs_sums, transposed, precision=jax.lax.Precision.HIGHEST)
-    _same(got[0], want[0], np.asarray(c_scale).reshape(np.shape(want[0])), k, "c")
-    _same(got[1], want[1], want[1], k, "mag")
-
-
 def _fake_gpu(monkeypatch):
     """A process asking for the kernel whose first device is a GPU that runs it."""
     monkeypatch.setenv("PIMLAYERS_CHECKS_KERNEL", "1")
@@ -86,7 +75,7 @@ def test_the_kernel_is_the_xla_checks(x_shape, g, k, n, block_n, transposed, lam
     got_c, got_mag = jax.jit(
         lambda x, s, a: checks_kernel(x, s, a, c_terms, mag_terms, transposed=transposed)
     )(x, enc.sums, abs_sums)
-    _same_checks((got_c, got_mag), (want_c, want_mag), x, enc, transposed)
+    _same_checks("checks kernel", (want_c, want_mag), (got_c, got_mag), x, enc, transposed)
 
 
 def test_every_term_of_the_split_reaches_the_checks():

@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_checks_kernel import _same_checks, _weights, _x
+from test_checks_kernel import _weights, _x
 
+from benchmarks.matmul import _same_checks
 from pimlayers import ops
 from pimlayers.faults import GemmFaults
 from pimlayers.ops import _abft, _checks_kernel
@@ -52,7 +53,7 @@ def test_the_kernel_is_the_xla_checks_at_llama_shapes(cuda, k, n):
     got_c, got_mag = jax.jit(lambda v, s, a: checks_kernel(v, s, a * scale, c_terms, mag_terms))(
         x, enc.sums, enc.abs_sums
     )
-    _same_checks((got_c, got_mag), (want_c, want_mag), x, enc)
+    _same_checks(f"{k}->{n}", (want_c, want_mag), (got_c, got_mag), x, enc)
 
 
 def test_asked_for_a_protected_gemm_checks_on_it_and_corrects_a_fault(cuda, monkeypatch):
