@@ -10,8 +10,10 @@ replace. This suite times, side by side on one GPU (Hopper only; nothing to run 
   Pallas's Mosaic-GPU flash attention (``attention_mgpu``), XLA's materialised attention, and
   pimlayers' own: ``ops.flash_attention`` with its in-kernel checks (and without, the same kernel's
   cost without them), and the protected attention core (``layers.attention_core``: the verified
-  kernel forward, with the default recompute loop and, as the training step runs it, with
-  ``FaultPolicy(recompute=False)``; or the verified materialised path with ``flash=False``) — goal 2 of the
+  kernel forward, its detected rows redone by the default device redo (no branch), by the
+  recompute loop (``FaultPolicy(recompute_kernel=False)``, the default before 2026-12-05, "protected
+  (flash)" in earlier results files), or not at all, as the training step runs it
+  (``FaultPolicy(recompute=False)``); or the verified materialised path with ``flash=False``) — goal 2 of the
   performance issue, protected attention at >= 0.93x cuDNN — and the backward kernels alone
   (``ops.flash_attention_bwd``, with and without their checks; verified, also with XLA's bounds,
   ``FlashBwdConfig(bounds_kernel=False)``: the Triton bounds kernels are the default on a GPU since
@@ -145,6 +147,12 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
         ),
         "pimlayers attention_core, protected (flash)": lambda q, k, v: layers.attention_core(
             q, k, v, policy=FaultPolicy()
+        )[0],
+        # The forward's rerun as a loop of 0 or 1 trips over the whole kernel (the default until
+        # 2026-12-05; since then the device redo, which needs no branch): its predicate goes
+        # through the host on every call.
+        "pimlayers attention_core, protected (flash, recompute loop)": lambda q, k, v: layers.attention_core(
+            q, k, v, policy=FaultPolicy(recompute_kernel=False)
         )[0],
         # The training step's policy: no recompute loop (nothing waits for a predicate on the host;
         # what a check cannot correct skips the step).

@@ -128,7 +128,9 @@ Attention rows: causal GQA at the issue's shape; `vs_cudnn` = cuDNN time / that 
 protected attention >= 0.93). `pimlayers flash_attention` rows are the kernel with and without its
 in-kernel checks (their bounds' time included: XLA's, or from the later run of 2026-12-05 on the
 Triton bounds kernels'); `attention_core, protected` rows are the layer's
-whole protected path (report, recompute loop; fwd+bwd with its backward). Every output is compared
+whole protected path (report and recompute; fwd+bwd with its backward): the forward's recompute
+a loop over the whole kernel until the session of 2026-12-05 that made the device redo (no branch)
+the default; newer runs time the loop in its own "recompute loop" row. Every output is compared
 with XLA's before timing. `bwd` rows (newer runs) time `flash_attention_bwd`'s two kernels alone, with
 and without their checks, against cuDNN's backward taken as its fwd+bwd less its fwd in the same run;
 since 2026-12-04 also the opt-in fused kernel (`FlashBwdConfig(fused=True)`, "fused kernel" rows),

@@ -14,7 +14,8 @@ so that the tool crashing in one case (below) leaves the others' verdicts standi
 (XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
 buffer's end is not hidden inside XLA's pool.) The Pallas Mosaic-GPU flash attention kernel (Hopper)
 and its backward kernels have their own cases, run with ``python tests/sanitize_gpu.py flash`` (or
-``flash fwd``, ``flash bwd``: one kernel's) and
+``flash fwd``, ``flash bwd``: one kernel's; ``flash redo``: the forward's device redo, the same kernel
+skipping unflagged CTAs) and
 ``K='regex=mosaic'`` (the kernels are named ``entry_mosaic_gpu_kernel``). On an H200 (2026-12-01,
 docs/gpu-tests.md) memcheck passed the forward's cases and then failed with CUDA_ERROR_INVALID_PC at
 the first backward case; racecheck failed inside the tool at the first forward case: not clean.
@@ -70,6 +71,12 @@ def flash_cases(which: str = "") -> list:
             for gemm in ("dq", "dp_t", "dk")
         ],
     ]
+    redo = [
+        *[(TF.test_redo_kernel_rewrites_the_flagged_blocks_alone, (None, shape)) for shape in TF.REDO_SHAPES],
+        (TF.test_redo_kernel_gates_its_rows, (None,)),
+    ]
+    if which == "redo":  # the forward's device redo (opt-in here: not part of "flash")
+        return redo
     return {"fwd": fwd, "bwd": bwd}.get(which, fwd + bwd)
 
 
@@ -180,14 +187,14 @@ def main(argv: list[str]) -> None:
     ap.add_argument(
         "kernels",
         nargs="*",
-        help="empty: the CUDA handlers; 'flash' [fwd|bwd]: the flash kernels; 'redo': the device redo; "
+        help="empty: the CUDA handlers; 'flash' [fwd|bwd|redo]: the flash kernels; 'redo': the device redo; "
         "'checks': the one-read checks kernel; 'bounds': the attention bounds kernels",
     )
     one = ap.add_mutually_exclusive_group()
     one.add_argument("--count", action="store_true", help="print the number of cases and stop")
     one.add_argument("--case", type=int, help="run only this case (from 1)")
     a = ap.parse_args(argv)
-    if a.kernels[:1] == ["flash"] and len(a.kernels) <= 2 and a.kernels[1:] in ([], ["fwd"], ["bwd"]):
+    if a.kernels[:1] == ["flash"] and a.kernels[1:] in ([], ["fwd"], ["bwd"], ["redo"]):
         cases = flash_cases(*a.kernels[1:])
     elif a.kernels == ["redo"]:
         cases = redo_cases()

@@ -286,6 +286,119 @@ def test_flash_path_recomputes_a_detected_fault_without_recompiling():
     assert body.count == 1
 
 
+REDO = FaultPolicy(recompute_kernel=True)  # the device redo (its XLA twin on the CPU), no loop
+
+
+def _cta_rows(flags):
+    """(B, H, T) bool: the query rows of the CTAs ``flags`` (B, H, T / 128) marks."""
+    return np.repeat(np.asarray(flags) != 0, 128, axis=-1)
+
+
+def test_redo_reference_rewrites_the_flagged_blocks_alone():
+    q, k, v = _qkv(t=384, seed=11)
+    faults = _faults([("scores", 0, 1, 40, 30, 3), ("out", 1, 2, 300, 29, 7)], t=384)
+    out, lse, checks = _reference(q, k, v, faults)
+    flags = ops.redo_flags(checks)
+    want_flags = np.zeros((B, H, 3), np.int32)
+    want_flags[0, 1, 0] = want_flags[1, 2, 2] = 1
+    np.testing.assert_array_equal(np.asarray(flags), want_flags)
+    # A block nothing flagged keeps whatever it held (here garbage): nothing but the flagged CTAs
+    # is written.
+    garbage = out.at[0, 128:256, 3].set(7.0)
+    o2, l2, c2, gated = ops.flash_attention_redo_reference(q, k, v, flags, garbage, lse, checks)
+    clean, lse0, _ = _reference(q, k, v)
+    rows = _cta_rows(flags).transpose(0, 2, 1)  # (B, T, H)
+    o2, garbage, clean = (np.asarray(a, np.float32) for a in (o2, garbage, clean))
+    np.testing.assert_array_equal(o2[rows], clean[rows])
+    np.testing.assert_array_equal(o2[~rows], garbage[~rows])
+    assert float(np.max(c2.scores)) <= 1.0 and float(np.max(c2.out)) <= 1.0
+    np.testing.assert_array_equal(np.asarray(l2), np.asarray(lse0))  # lse: flagged fresh, others the same
+    assert int(np.sum(gated)) == 0
+
+
+def test_redo_reference_gates_the_rows_it_rewrites():
+    q, k, v = _qkv(seed=12)
+    q = q.at[1, 5, 3].set(jnp.nan).at[0, 200, 0].set(jnp.nan)
+    out, lse, checks = _reference(q, k, v)
+    flags = ops.redo_flags(checks)  # NaN rows fail their checks
+    assert np.asarray(flags)[1, 3, 0] == 1 and np.asarray(flags)[0, 0, 1] == 1
+    o2, _, c2, gated = ops.flash_attention_redo_reference(
+        q, k, v, flags, out, lse, checks, gate=(0.5, float("inf"))
+    )
+    g = np.asarray(gated)
+    assert g[1, 3, 5] == D and g[0, 0, 200] == D and int(g.sum()) == 2 * D
+    assert np.all(np.asarray(o2, np.float32)[1, 5, 3] == 0.5)
+    assert not c2.scores[1, 3, 5] <= 1.0  # still failing: the layers report it uncorrectable
+
+
+def test_redo_errors():
+    q, k, v = _qkv()
+    out, lse, checks = _reference(q, k, v)
+    flags = ops.redo_flags(checks)
+    for f in (ops.flash_attention_redo, ops.flash_attention_redo_reference):
+        with pytest.raises(ValueError, match=r"flags is int32\[2, 4, 1\]; expected int32\[2, 4, 2\]"):
+            f(q, k, v, flags[..., :1], out, lse, checks)
+        with pytest.raises(ValueError, match="lse is"):
+            f(q, k, v, flags, out, lse[:, :2], checks)
+        with pytest.raises(TypeError, match="expected FlashChecks"):
+            f(q, k, v, flags, out, lse, tuple(checks))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.redo_flags(ops.FlashChecks(lse[..., :100], lse[..., :100]))
+    if not ops._fused_gemm.hopper():
+        with pytest.raises(NotImplementedError, match="Hopper"):
+            ops.flash_attention_redo(q, k, v, flags, out, lse, checks)
+
+
+def test_fold_vmap_folds_the_vmapped_axis_into_the_batch():
+    calls = []
+
+    def fn(x, y):
+        calls.append(x.shape)
+        return x * 2 + y, jnp.sum(x, axis=-1)
+
+    f = ops._flash._fold_vmap(fn)
+    x = jnp.arange(24.0).reshape(3, 2, 4)
+    y = jnp.ones((2, 4))
+    a, s = jax.vmap(f, in_axes=(0, None))(x, y)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(x * 2 + y[None]))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(jnp.sum(x, axis=-1)))
+    # Traced once per example for its shapes, then called on the folded batch (3 x 2 rows).
+    assert calls[-1] == (6, 4) and (3, 2, 4) not in calls
+
+
+def test_flash_path_device_redo_corrects_as_the_loop_does_without_recompiling():
+    q, k, v = _qkv(seed=5)
+    clean, r0 = L.attention_core(q, k, v, policy=REDO, flash=True)
+    assert r0.to_dict() == {**r0.zeros().to_dict(), "gemm_checked": 2 * B * KV}
+    body = TraceCounter(lambda q, k, v, f, p: L.attention_core(q, k, v, policy=p, flash=True, faults=f))
+    run = jax.jit(body, static_argnums=4)
+    for seed in range(3):
+        fs = GemmFaults.random(jax.random.key(seed), (B * H * T, T), 2, 1.0, bit=30)
+        fo = GemmFaults.random(jax.random.key(seed + 10), (B * H * T, D), 1, 1.0, bit=30)
+        out, r = run(q, k, v, {"scores": fs, "pv": fo}, REDO)
+        loop_out, loop_r = run(q, k, v, {"scores": fs, "pv": fo}, POLICY)
+        rd, ld = r.to_dict(), loop_r.to_dict()
+        assert 1 <= rd["gemm_detected"] <= 5 and rd["gemm_corrected"] == rd["gemm_detected"]
+        assert rd["gemm_uncorrectable"] == 0 and 2 <= rd["gemm_recomputed"] <= 2 * B * KV
+        # The same counts as the loop's but gemm_recomputed (the loop reruns every GEMM).
+        assert {**rd, "gemm_recomputed": 0} == {**ld, "gemm_recomputed": 0}
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+        np.testing.assert_array_equal(np.asarray(loop_out, np.float32), np.asarray(clean, np.float32))
+    assert body.count == 2  # one trace per policy, none per fault
+
+
+def test_flash_path_device_redo_gates_and_reports_as_the_loop_does():
+    q, k, v = _qkv(seed=13)
+    q = q.at[0, 77, 2].set(jnp.inf)
+    core = jax.jit(lambda q, p: L.attention_core(q, k, v, policy=p, flash=True), static_argnums=1)
+    (o1, r1), (o2, r2) = core(q, REDO), core(q, POLICY)
+    rd = r1.to_dict()
+    assert rd["gemm_detected"] >= 1 and rd["gemm_uncorrectable"] == rd["gemm_detected"]
+    assert rd["nonfinite_gated"] == D  # the one row, every value
+    assert {**rd, "gemm_recomputed": 0} == {**r2.to_dict(), "gemm_recomputed": 0}
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+
+
 def test_detect_mode_reports_without_recomputing():
     q, k, v = _qkv(seed=6)
     f = GemmFaults(*(jnp.array([x]) for x in (37, 5, 30)), jnp.array([True]))

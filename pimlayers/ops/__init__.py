@@ -22,8 +22,11 @@ from ._flash import FlashChecks as FlashChecks
 from ._flash import FlashConfig as FlashConfig
 from ._flash import FlashFaults as FlashFaults
 from ._flash import flash_attention as flash_attention
+from ._flash import flash_attention_redo as flash_attention_redo
+from ._flash import flash_attention_redo_reference as flash_attention_redo_reference
 from ._flash import flash_attention_reference as flash_attention_reference
 from ._flash import flash_supported as flash_supported
+from ._flash import redo_flags as redo_flags
 from ._flash_bwd import FlashBwdChecks as FlashBwdChecks
 from ._flash_bwd import FlashBwdConfig as FlashBwdConfig
 from ._flash_bwd import FlashBwdFaults as FlashBwdFaults

@@ -66,9 +66,12 @@ __all__ = [
     "FlashConfig",
     "FlashFaults",
     "flash_attention",
+    "flash_attention_redo",
+    "flash_attention_redo_reference",
     "flash_attention_reference",
     "flash_bounds",
     "flash_supported",
+    "redo_flags",
 ]
 
 CS = 8  # rows of a checksum tile: hi, lo (the value tile: then ones), zeros to wgmma's smallest N
@@ -330,10 +333,19 @@ def _kernel_call(
     checks: bool,
     inject: bool,
     cfg: FlashConfig,
+    redo: tuple | None = None,
+    gate: tuple[float, float] | None = None,
 ):
     """The pallas kernel. ``extras``: (ks, vs, km) (:func:`flash_bounds`) if ``checks``, then the
     four FlashFaults arrays if ``inject``. Returns out, lse (natural log, of the scaled scores) and, with
-    checks, the two ratio rows."""
+    checks, the two ratio rows.
+
+    ``redo`` (with checks, no injection): (flags, out, lse, r_qk, r_pv, gated), flags (B, H,
+    T / (2 block_q)) int32 and the rest mutable refs (``jax.new_ref``) the kernel updates in place:
+    a CTA whose flag is 0 exits after reading it, one whose flag is set computes its rows afresh and
+    writes them over the refs, with ``gate`` = (fill, limit) applied to its bf16 output values
+    (non-finite or beyond the limit replaced by fill, counted per row into ``gated``). Returns
+    nothing."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -352,6 +364,16 @@ def _kernel_call(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(refs, scoped):
+        if redo is None:
+            body(refs, scoped)
+            return
+        # The redo: only a CTA whose rows failed a check runs (a scalar read from global memory;
+        # every warpgroup reads it, so all three skip together).
+        flags_ref = refs[3 + len(extras)]
+        flag = flags_ref[lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")]
+        pl.when(flag != 0)(lambda: body(refs[: 3 + len(extras)] + refs[4 + len(extras) :], scoped))
+
+    def body(refs, scoped):
         q_ref, k_ref, v_ref = refs[:3]
         ins = refs[3 : 3 + len(extras)]
         outs = refs[3 + len(extras) :]
@@ -534,7 +556,17 @@ def _kernel_call(
                 tol_pv = jnp.where((col8 == 3) | (col8 == 4), cacc, 0.0).sum(axis=1)  # c_pv vmax l
                 r_pv = _ratio(acc.sum(axis=1) - cs, tol_pv)
             acc /= lax.broadcast_in_dim(l_i, (bq, d), [0])
-            qo[...] = acc.astype(dtype)
+            o16 = acc.astype(dtype)
+            if gate is not None:
+                # The insulation gate on the rounded values, as ``ops.gate`` compares them (in f32):
+                # kept where |x| <= limit, or with no limit where |x| < inf (NaN fails both).
+                fill, limit = gate
+                mag = jnp.abs(o16.astype(jnp.float32))
+                keep = (mag <= limit) if math.isfinite(limit) else (mag < jnp.inf)
+                one = plgpu.layout_cast(jnp.full((bq, d), 1.0, jnp.float32), wgmma_layout)
+                o16 = jnp.where(keep, o16, jnp.asarray(fill, jnp.float32).astype(dtype))
+                rows_f.at[wg, 3][...] = jnp.where(keep, 0.0, one).sum(axis=1)
+            qo[...] = o16
             lse_s = rows_f.at[wg, 0]
             # m_i is in base 2 (the softmax's exp2): the natural-log lse in the kernel, not by an
             # XLA multiply after it (a kernel of its own, 2.8 us at B = 1, T = 8192, 32 heads).
@@ -548,6 +580,8 @@ def _kernel_call(
             if checks:
                 plgpu.copy_smem_to_gmem(rows_f.at[wg, 1], rqk_ref.at[batch, q_head, rows])
                 plgpu.copy_smem_to_gmem(rows_f.at[wg, 2], rpv_ref.at[batch, q_head, rows])
+            if gate is not None:
+                plgpu.copy_smem_to_gmem(rows_f.at[wg, 3], outs[4].at[batch, q_head, rows])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -588,7 +622,7 @@ def _kernel_call(
             plgpu.SMEM((stages, CS, d), dtype, transforms=tf) if checks and not fuse_e else None,
             plgpu.SMEM((stages, CS, bk), dtype, transforms=tf) if checks else None,
             plgpu.SMEM((2, CS, d), dtype, transforms=tf) if checks else None,  # per warpgroup: km
-            plgpu.SMEM((2, 3, bq), jnp.float32),  # per warpgroup: lse and ratios out
+            plgpu.SMEM((2, 4 if gate else 3, bq), jnp.float32),  # per warpgroup: lse, ratios (gated)
             plgpu.SMEM((2, 4, bq), jnp.int32) if inject else None,
         ]
         bars = (
@@ -609,14 +643,22 @@ def _kernel_call(
         )
 
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+    grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
+    params = plgpu.CompilerParams(approx_math=True)
+    if redo is not None:
+        # Mutable refs are aliased in and out of the kernel: what a skipped CTA does not write keeps
+        # the first pass's values, with no copy.
+        mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg")
+        pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(q, k, v, *extras, *redo)
+        return None
     return plgpu.kernel(
         entry,
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * (n_out - 1),
-        grid=(h, t // (2 * bq), b),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=grid,
+        grid_names=names,
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=params,
     )(q, k, v, *extras)
 
 
@@ -708,6 +750,157 @@ def flash_attention(
         q, k, v, extras, causal=causal, scale=scale, checks=checks, inject=faults is not None, cfg=cfg
     )
     return res[0], res[1], (FlashChecks(res[2], res[3]) if checks else None)
+
+
+def redo_flags(checks: FlashChecks, config: FlashConfig | None = None) -> Int32[Array, "b h nq"]:
+    """Which of the kernel's CTAs (each 2 ``block_q`` query rows of one head) hold a row that failed a
+    check: (B, H, T / (2 block_q)) int32, 1 where a ratio of either check is above 1 or NaN. What
+    :func:`flash_attention_redo` takes."""
+    cfg = config or FlashConfig()
+    b, h, t = checks.scores.shape
+    if t % (2 * cfg.block_q):
+        raise ValueError(
+            f"pimlayers.redo_flags: checks for {t} query rows; expected a multiple of {2 * cfg.block_q}"
+        )
+    bad = ~(checks.scores <= 1.0) | ~(checks.out <= 1.0)
+    return jnp.any(bad.reshape(b, h, t // (2 * cfg.block_q), 2 * cfg.block_q), axis=-1).astype(jnp.int32)
+
+
+def _check_redo(q, flags, out, lse, checks, cfg: FlashConfig, name: str) -> None:
+    b, t, h, _ = q.shape
+    rows, want_flags = (b, h, t), (b, h, t // (2 * cfg.block_q))
+    if not isinstance(checks, FlashChecks):
+        raise TypeError(f"{name}: checks is a {type(checks).__name__}; expected FlashChecks")
+    if tuple(flags.shape) != want_flags or not jnp.issubdtype(flags.dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: flags is {flags.dtype}{list(flags.shape)}; expected int32{list(want_flags)} "
+            f"(batch, heads, blocks of {2 * cfg.block_q} query rows: redo_flags)"
+        )
+    for what, a, shape, dtype in (
+        ("out", out, q.shape, q.dtype),
+        ("lse", lse, rows, jnp.float32),
+        ("checks.scores", checks.scores, rows, jnp.float32),
+        ("checks.out", checks.out, rows, jnp.float32),
+    ):
+        if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
+            raise ValueError(
+                f"{name}: {what} is {a.dtype}{list(a.shape)}; expected {jnp.dtype(dtype)}{list(shape)} "
+                "(the first pass's result)"
+            )
+
+
+def _fold_vmap(fn):
+    """``fn(*arrays)`` -> tuple of arrays, every operand and result with the batch on axis 0 and its
+    rows independent, made vmappable by folding the vmapped axis into the batch (the redo's mutable
+    refs have no batching rule of their own)."""
+
+    @jax.custom_batching.custom_vmap
+    def folded(*xs):
+        return fn(*xs)
+
+    @folded.def_vmap
+    def _(axis_size, in_batched, *xs):
+        pairs = zip(xs, in_batched, strict=True)
+        xs = [x if bat else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, bat in pairs]
+        outs = folded(*(x.reshape(-1, *x.shape[2:]) for x in xs))
+        outs = tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs)
+        return outs, tuple(True for _ in outs)
+
+    return folded
+
+
+@functools.cache
+def _redo_fn(causal: bool, scale: float, lam: float, gate: tuple[float, float] | None, cfg: FlashConfig):
+    def run(q, k, v, flags, out, lse, r_qk, r_pv):
+        refs = [jax.new_ref(x) for x in (out, lse, r_qk, r_pv)]
+        gated = [jax.new_ref(jnp.zeros(lse.shape, jnp.float32))] if gate is not None else []
+        extras = flash_bounds(k, v, lam=lam, config=cfg)
+        _kernel_call(
+            q, k, v, extras, causal=causal, scale=scale, checks=True, inject=False, cfg=cfg,
+            redo=(flags.astype(jnp.int32), *refs, *gated), gate=gate,
+        )  # fmt: skip
+        counts = gated[0][...] if gated else jnp.zeros(lse.shape, jnp.float32)
+        return (*(r[...] for r in refs), counts)
+
+    return jax.jit(_fold_vmap(run))
+
+
+def flash_attention_redo(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    flags: Int32[Array, "b h nq"],
+    out: Float[Array, "b t h d"],
+    lse: Float[Array, "b h t"],
+    checks: FlashChecks,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    gate: tuple[float, float] | None = None,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks, Int32[Array, "b h t"]]:
+    """The verified kernel again on the CTAs ``flags`` marks (:func:`redo_flags` of the first pass's
+    checks), on the device, with no branch: one launch over every CTA, of which a clean one reads its
+    flag and exits, and a flagged one computes its 2 ``block_q`` rows afresh (no injected faults:
+    they model transient errors) and writes them, their lse and their two checks over the first
+    pass's ``out``, ``lse`` and ``checks``, which are updated in place (aliased, not copied).
+
+    ``gate`` = (fill, limit or inf): the rewritten rows' output values that are non-finite or beyond
+    the limit are replaced by fill, as :func:`pimlayers.ops.gate` would (compared in f32 after the
+    rounding to bf16). Returns ``(out, lse, checks, gated)``, gated (B, H, T) int32 the values
+    replaced per row (zero where the CTA was not redone or ``gate`` is None). A redone row whose
+    checks fail again says so in the returned checks. Hopper only, as :func:`flash_attention`;
+    :func:`flash_attention_redo_reference` is the same through XLA."""
+    cfg = config or FlashConfig()
+    _check_inputs(q, k, v, causal, cfg)
+    if q.dtype != jnp.bfloat16:
+        raise TypeError(f"pimlayers.flash_attention_redo: q, k, v have dtype {q.dtype}; expected bfloat16")
+    _check_redo(q, flags, out, lse, checks, cfg, "pimlayers.flash_attention_redo")
+    if not hopper():
+        raise NotImplementedError(
+            "pimlayers.flash_attention_redo runs on a Hopper GPU (sm_90) only; "
+            "flash_attention_redo_reference is the same computation through XLA"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    gate = None if gate is None else (float(gate[0]), float(gate[1]))
+    run = _redo_fn(causal, scale, float(lam), gate, cfg)
+    out, lse, r_qk, r_pv, gated = run(q, k, v, flags, out, lse, checks.scores, checks.out)
+    return out, lse, FlashChecks(r_qk, r_pv), gated.astype(jnp.int32)
+
+
+def flash_attention_redo_reference(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    flags: Int32[Array, "b h nq"],
+    out: Float[Array, "b t h d"],
+    lse: Float[Array, "b h t"],
+    checks: FlashChecks,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    gate: tuple[float, float] | None = None,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks, Int32[Array, "b h t"]]:
+    """:func:`flash_attention_redo` through XLA (any backend): :func:`flash_attention_reference`'s
+    fault-free results on the flagged CTAs' rows, the given ones elsewhere, the gate applied to the
+    fresh rows. For tests and the layers' reference path."""
+    from ._gate import gate_reference
+
+    cfg = _xla_bounds_unless_asked(config or FlashConfig())
+    _check_inputs(q, k, v, causal, cfg)
+    _check_redo(q, flags, out, lse, checks, cfg, "pimlayers.flash_attention_redo_reference")
+    o2, l2, c2 = flash_attention_reference(q, k, v, causal=causal, scale=scale, lam=lam, config=cfg)
+    redone = jnp.repeat(flags != 0, 2 * cfg.block_q, axis=-1)  # (B, H, T)
+    gated = jnp.zeros(lse.shape, jnp.int32)
+    if gate is not None:
+        o2, counts = gate_reference(o2, fill=float(gate[0]), limit=float(gate[1]))  # counts (B, T, H)
+        gated = jnp.where(redone, counts.transpose(0, 2, 1), 0)
+    pick = lambda new, old: jnp.where(redone, new, old)
+    out = jnp.where(redone.transpose(0, 2, 1)[..., None], o2, out)
+    return out, pick(l2, lse), FlashChecks(pick(c2.scores, checks.scores), pick(c2.out, checks.out)), gated
 
 
 def flash_attention_reference(
