@@ -14,8 +14,8 @@ so that the tool crashing in one case (below) leaves the others' verdicts standi
 (XLA_PYTHON_CLIENT_ALLOCATOR=platform gives every buffer its own allocation, so an access past a
 buffer's end is not hidden inside XLA's pool.) The Pallas Mosaic-GPU flash attention kernel (Hopper)
 and its backward kernels have their own cases, run with ``python tests/sanitize_gpu.py flash`` (or
-``flash fwd``, ``flash bwd``: one kernel's; ``flash redo``: the forward's device redo, the same kernel
-skipping unflagged CTAs) and
+``flash fwd``, ``flash bwd``: one kernel's; ``flash redo``: the device redo of the forward and
+the backward, the same kernels skipping unflagged CTAs) and
 ``K='regex=mosaic'`` (the kernels are named ``entry_mosaic_gpu_kernel``). On an H200 (2026-12-01,
 docs/gpu-tests.md) memcheck passed the forward's cases and then failed with CUDA_ERROR_INVALID_PC at
 the first backward case; racecheck failed inside the tool at the first forward case: not clean.
@@ -74,8 +74,9 @@ def flash_cases(which: str = "") -> list:
     redo = [
         *[(TF.test_redo_kernel_rewrites_the_flagged_blocks_alone, (None, shape)) for shape in TF.REDO_SHAPES],
         (TF.test_redo_kernel_gates_its_rows, (None,)),
+        *[(TB.test_bwd_redo_recomputes_the_flagged_blocks, (None, shape)) for shape in TB.REDO_SHAPES],
     ]
-    if which == "redo":  # the forward's device redo (opt-in here: not part of "flash")
+    if which == "redo":  # the device redo, forward and backward (not part of plain "flash")
         return redo
     return {"fwd": fwd, "bwd": bwd}.get(which, fwd + bwd)
 

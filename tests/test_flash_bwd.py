@@ -197,6 +197,59 @@ def test_layer_backward_reruns_on_a_detected_fault():
     assert r2.to_dict()["gemm_uncorrectable"] == 1 and r2.to_dict()["gemm_recomputed"] == 0
 
 
+def _both(site_a, site_b):
+    """Two GEMMs' FlashBwdFaults (from ``_site``) as one."""
+    return ops.FlashBwdFaults(
+        **{n: a or b for n, a, b in zip(ops.FlashBwdFaults._fields, site_a, site_b, strict=True)}
+    )
+
+
+def test_redo_reference_redoes_the_flagged_blocks():
+    q, k, v, out, lse, do = _inputs(t=384, seed=8)
+    faults = _both(_site("dv", [77], 30, lambda r: 5, t=384), _site("dq", [300], 30, lambda r: 1, t=384))
+    redo = jax.jit(ops.flash_attention_bwd_with_redo_reference)
+    dq, dk, dv, first, final = redo(q, k, v, out, lse, do, faults)
+    flags_q, flags_k = ops.redo_flags_bwd(first)
+    want_q, want_k = np.zeros((B, H, 3), np.int32), np.zeros((B, KV, 3), np.int32)
+    want_q[0, 1, 2] = want_k[0, 1, 0] = 1  # query row 300 of head 1; key row 77 of KV head 1
+    np.testing.assert_array_equal(np.asarray(flags_q), want_q)
+    np.testing.assert_array_equal(np.asarray(flags_k), want_k)
+    assert all(float(np.max(np.asarray(r))) <= 1.0 for r in final)
+    clean = _backward(q, k, v, out, lse, do)
+    for got, want in zip((dq, dk, dv), clean[:3], strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    faulty = _backward(q, k, v, out, lse, do, faults)
+    assert float(np.max(np.abs(np.asarray(faulty[2], np.float32) - np.asarray(clean[2], np.float32)))) > 1.0
+    with pytest.raises(ValueError, match="fused kernel"):
+        ops.flash_attention_bwd_with_redo_reference(
+            *_inputs(d=128), config=ops.FlashBwdConfig(fused=True)
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(("gemm", "row", "kernel_gemms"), [("dv", 77, 4), ("dq", 9, 3), ("scores_t", 200, 4)])
+def test_layer_backward_device_redo_corrects_as_the_loop_does(gemm, row, kernel_gemms):
+    # XLA's twin of the device redo: the failing CTAs' rows recomputed, the counts as the loop's but
+    # gemm_recomputed (the GEMMs of the one kernel that reran, for the one (batch, KV head) group).
+    q, k, v, out, lse, do = _inputs(seed=6)
+    col = COLS.get(gemm, lambda r: 5)
+    run = jax.jit(
+        lambda f, p: A._flash_backward(q, k, v, out, lse, do, 1 / math.sqrt(D), True, p, f, reference=True),
+        static_argnums=1,
+    )
+    redo, loop = FaultPolicy(recompute_kernel=True), FaultPolicy()
+    clean, r0 = run(None, redo)
+    assert r0.to_dict()["gemm_recomputed"] == 0 and r0.to_dict()["gemm_detected"] == 0
+    f = _site(gemm, [row], 30, col)
+    (got, r1), (got_loop, r2) = run(f, redo), run(f, loop)
+    r1, r2 = r1.to_dict(), r2.to_dict()
+    assert r1["gemm_detected"] == 1 and r1["gemm_corrected"] == 1 and r1["gemm_uncorrectable"] == 0
+    assert r1["gemm_recomputed"] == kernel_gemms and r2["gemm_recomputed"] == 7 * B * KV
+    assert {**r1, "gemm_recomputed": 0} == {**r2, "gemm_recomputed": 0}
+    for a, c, lp in zip(got, clean, got_loop, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), atol=2e-2)
+        np.testing.assert_allclose(np.asarray(lp, np.float32), np.asarray(c, np.float32), atol=2e-2)
+
+
 def test_fused_config_checks_five_gemms_with_the_same_bounds():
     # The fused kernel runs no query-row s and dp: its reference reports them as None, rejects
     # faults there, and gives every other GEMM the two kernels' ratios (the same sums and bounds).

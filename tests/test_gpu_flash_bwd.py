@@ -159,7 +159,15 @@ def test_layer_backward_takes_the_kernels_and_reruns_on_a_fault(hopper):
     r0, r1 = r0.to_dict(), r1.to_dict()
     n = len(bwd_gemms(d))  # the default kernels' GEMMs per (batch, KV head)
     assert r0["gemm_checked"] == n * b * kv and r0["gemm_detected"] == 0
-    assert r1["gemm_detected"] == 1 and r1["gemm_corrected"] == 1 and r1["gemm_recomputed"] == n * b * kv
+    # The device redo (the default): the dk/dv kernel's four GEMMs of the one (batch, KV head) group,
+    # its flagged CTA recomputed by the kernel itself, so the gradients come out bit for bit.
+    assert r1["gemm_detected"] == 1 and r1["gemm_corrected"] == 1 and r1["gemm_recomputed"] == 4
+    for a, c in zip(got, clean, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+    loop = FaultPolicy(recompute_kernel=False)
+    run_loop = jax.jit(lambda f: A._flash_backward(q, k, v, out, lse, do, 1 / math.sqrt(d), True, loop, f))
+    got, r2 = run_loop(ops.FlashBwdFaults(dv=(jnp.asarray(bits), jnp.asarray(cols))))
+    assert r2.to_dict() == {**r1, "gemm_recomputed": n * b * kv}
     for a, c in zip(got, clean, strict=True):
         _close(a, c, 1e-2)
 
@@ -223,3 +231,47 @@ def test_bwd_kernels_with_xlas_bounds_match_the_reference(hopper):
         _close(a, w, 2e-2)
     for name, r in got[3]._asdict().items():
         assert 0.0 <= float(r.max()) < 0.25, name
+
+
+REDO_SHAPES = [(1, 384, 6, 3, 128, True), (2, 256, 4, 2, 64, False)]
+
+
+@pytest.mark.parametrize("shape", REDO_SHAPES)
+def test_bwd_redo_recomputes_the_flagged_blocks(hopper, shape):
+    """Flips in both kernels: the redo's gradients are the clean kernels' bit for bit (the flagged
+    CTAs recomputed by the same kernels, the others the first pass's), its final ratios pass, and
+    the XLA twin agrees."""
+    b, t, h, kv, d, causal = shape
+    q, k, v, out, lse, do = _inputs(b, t, h, kv, d, causal, seed=11)
+    site = lambda shape_, at, col: tuple(jnp.asarray(x) for x in _one_site(shape_, at, col))
+    faults = ops.FlashBwdFaults(
+        dq=site((b, h, t), (b - 1, h - 1, t - 1), 3), dv=site((b, kv, t), (0, kv - 1, 40), 9)
+    )
+    dq, dk, dv, first, final = ops.flash_attention_bwd_with_redo(q, k, v, out, lse, do, faults, causal=causal)
+    flags_q, flags_k = ops.redo_flags_bwd(first)
+    assert int(np.sum(np.asarray(flags_q))) == 1 and int(np.sum(np.asarray(flags_k))) == 1
+    assert all(float(np.max(np.asarray(r))) <= 1.0 for r in final)
+    clean = ops.flash_attention_bwd(q, k, v, out, lse, do, causal=causal)
+    for got, want in zip((dq, dk, dv), clean[:3], strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ref = ops.flash_attention_bwd_with_redo_reference(q, k, v, out, lse, do, faults, causal=causal)
+    for got, want in zip((dq, dk, dv), ref[:3], strict=True):
+        _close(got, want, 1e-2)
+
+
+def _one_site(shape, at, col):
+    bits, cols = np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
+    bits[at], cols[at] = 30, col
+    return bits, cols
+
+
+def test_bwd_redo_under_vmap(hopper):
+    b, t, h, kv, d = 1, 256, 4, 2, 128
+    xs = [_inputs(b, t, h, kv, d, True, seed=20 + i) for i in range(3)]
+    stacked = [jnp.stack(a) for a in zip(*xs, strict=True)]
+    faults = ops.FlashBwdFaults(dk=tuple(jnp.asarray(x) for x in _one_site((b, kv, t), (0, 1, 100), 4)))
+    got = jax.vmap(lambda *a: ops.flash_attention_bwd_with_redo(*a, faults)[:3])(*stacked)
+    for i in range(3):
+        want = ops.flash_attention_bwd(*xs[i])[:3]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g[i], np.float32), np.asarray(w, np.float32))

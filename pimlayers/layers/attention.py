@@ -33,11 +33,14 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..faults import FaultPolicy, FaultReport, GemmFaults
 from ..ops import (
+    FlashBwdChecks,
     FlashChecks,
     FlashFaults,
     flash_attention,
     flash_attention_bwd,
     flash_attention_bwd_reference,
+    flash_attention_bwd_with_redo,
+    flash_attention_bwd_with_redo_reference,
     flash_attention_redo,
     flash_attention_redo_reference,
     flash_attention_reference,
@@ -47,6 +50,7 @@ from ..ops import (
     protected_bmm,
     protected_bmm_grads,
     redo_flags,
+    redo_flags_bwd,
     zero_tap,
 )
 from ..ops._flash_bwd import bwd_gemms
@@ -429,7 +433,43 @@ def _flash_backward(
         return (dq, dk, dv), dict(zip(gemms, ch, strict=True))
 
     groups = lambda ch: _failing(list(ch.values()), b, kvh)
+    if policy.corrects and policy.recompute and _flash_redo_wanted(policy, reference) and len(gemms) == 7:
+        return _flash_backward_redo(q, k, v, out, lse, dout, scale, causal, policy, faults, reference)
     return _run_checked(run, (q, k, v, out, lse, dout), faults, groups, len(gemms) * b * kvh, policy)
+
+
+def _flash_backward_redo(
+    q, k, v, out, lse, dout, scale, causal, policy: FaultPolicy, faults, reference: bool
+):
+    """The two backward kernels, then both again on the device over the CTAs whose rows failed a check
+    (:func:`pimlayers.ops.flash_attention_bwd_with_redo`): no branch, so no host round trip. A redone
+    row is checked again; one that fails again is uncorrectable. ``gemm_recomputed`` counts the
+    (batch, KV head) GEMMs with a redone block: the dq kernel's three, the dk/dv kernel's four."""
+    b, kvh = q.shape[0], k.shape[2]
+    kernel = flash_attention_bwd_with_redo_reference if reference else flash_attention_bwd_with_redo
+    leaves, tree = jax.tree.flatten(faults)
+
+    def call(q, k, v, out, lse, dout, *sites):
+        f = jax.tree.unflatten(tree, sites)
+        dq, dk, dv, first, final = kernel(
+            q, k, v, out, lse, dout, f, causal=causal, scale=scale, lam=policy.lam
+        )  # fmt: skip
+        return dq, dk, dv, *first, *final
+
+    dq, dk, dv, *ch = _per_batch(call, q, k, v, out, lse, dout, *leaves)
+    first, final = FlashBwdChecks(*ch[:7]), FlashBwdChecks(*ch[7:])
+    detected = jnp.sum(_failing(list(first), b, kvh), dtype=jnp.int32)
+    still = jnp.sum(_failing(list(final), b, kvh), dtype=jnp.int32)
+    flags_q, flags_k = redo_flags_bwd(first)
+    redone = lambda f: jnp.sum(jnp.any(f.reshape(b, kvh, -1) != 0, axis=-1), dtype=jnp.int32)
+    report = FaultReport(
+        gemm_checked=7 * b * kvh,
+        gemm_detected=detected,
+        gemm_corrected=detected - still,
+        gemm_recomputed=3 * redone(flags_q) + 4 * redone(flags_k),
+        gemm_uncorrectable=still,
+    )
+    return (dq, dk, dv), report
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))

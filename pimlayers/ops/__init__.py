@@ -32,7 +32,10 @@ from ._flash_bwd import FlashBwdConfig as FlashBwdConfig
 from ._flash_bwd import FlashBwdFaults as FlashBwdFaults
 from ._flash_bwd import flash_attention_bwd as flash_attention_bwd
 from ._flash_bwd import flash_attention_bwd_reference as flash_attention_bwd_reference
+from ._flash_bwd import flash_attention_bwd_with_redo as flash_attention_bwd_with_redo
+from ._flash_bwd import flash_attention_bwd_with_redo_reference as flash_attention_bwd_with_redo_reference
 from ._flash_bwd import flash_bwd_supported as flash_bwd_supported
+from ._flash_bwd import redo_flags_bwd as redo_flags_bwd
 from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
 from ._guard import bank_guard as bank_guard

@@ -65,7 +65,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int32
 
 from ._flash import (
     _U,
@@ -73,6 +73,7 @@ from ._flash import (
     _block_sums,
     _c_block,
     _flip,
+    _fold_vmap,
     _load,
     _ratio,
     _split,
@@ -90,7 +91,10 @@ __all__ = [
     "FlashBwdFaults",
     "flash_attention_bwd",
     "flash_attention_bwd_reference",
+    "flash_attention_bwd_with_redo",
+    "flash_attention_bwd_with_redo_reference",
     "flash_bwd_supported",
+    "redo_flags_bwd",
 ]
 
 _LN2 = math.log(2.0)
@@ -148,6 +152,16 @@ class FlashBwdChecks(NamedTuple):
     dp_t: Float[Array, "b kv s"]
     dv: Float[Array, "b kv s"]
     dk: Float[Array, "b kv s"]
+
+
+# (dq, dk, dv, the first pass's checks, the final checks): what the backward with its redo returns.
+_Redone = tuple[
+    Float[Array, "b t h d"],
+    Float[Array, "b s kv d"],
+    Float[Array, "b s kv d"],
+    FlashBwdChecks,
+    FlashBwdChecks,
+]
 
 
 class FlashBwdFaults(NamedTuple):
@@ -366,11 +380,21 @@ def _zeros(plgpu, n: int):
     )
 
 
-def _scoped(pl, plgpu, kernel, refs, smem, bars, stages: int) -> None:
+def _scoped(pl, plgpu, kernel, refs, smem, bars, stages: int, flag_at: int | None = None, seq_axis: str = ""):
     """``kernel(refs, (smem, bars, consumed))`` with its scratch allocated: two consumed barriers per
-    stage, each expecting both compute warpgroups."""
+    stage, each expecting both compute warpgroups. ``flag_at`` (a redo): ``refs[flag_at]`` is the
+    flags (batch, heads, ``seq_axis``) int32; a CTA whose flag is 0 does nothing (every warpgroup
+    reads it, so all three skip together), the others run ``kernel`` on the refs without it."""
+
+    def run(refs, scoped):
+        if flag_at is None:
+            kernel(refs, scoped)
+            return
+        at = (lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index(seq_axis))
+        pl.when(refs[flag_at][at] != 0)(lambda: kernel(refs[:flag_at] + refs[flag_at + 1 :], scoped))
+
     pl.run_scoped(
-        lambda *scoped: kernel(refs, scoped),
+        lambda *scoped: run(refs, scoped),
         smem,
         bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
@@ -378,8 +402,17 @@ def _scoped(pl, plgpu, kernel, refs, smem, bars, stages: int) -> None:
     )
 
 
-def _launch(plgpu, entry, out_type, grid, seq_axis: str):
-    """The kernel over (heads, blocks of two warpgroups' rows, batch), three warpgroups per CTA."""
+def _launch(plgpu, entry, out_type, grid, seq_axis: str, redo: tuple | None = None):
+    """The kernel over (heads, blocks of two warpgroups' rows, batch), three warpgroups per CTA.
+    ``redo``: (flags, then a mutable ref per output): the kernel returns nothing and updates the
+    refs in place (aliased in and out), after its inputs and the flags (``_scoped``'s flag_at)."""
+    if redo is not None:
+        import jax.experimental.pallas as pl
+
+        mesh = plgpu.Mesh(grid=grid, grid_names=("heads", seq_axis, "batch"), num_threads=3, thread_name="wg")
+        params = plgpu.CompilerParams(approx_math=True)
+        kernel = pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)
+        return lambda *args: kernel(*args, *redo)
     return plgpu.kernel(
         entry,
         out_type=out_type,
@@ -392,11 +425,14 @@ def _launch(plgpu, entry, out_type, grid, seq_axis: str):
 
 
 def _dq_call(
-    q, k, v, do, rows, tiles, flips, *, causal: bool, c: float, scale: float, checks: bool, c_sum, cfg
-):
+    q, k, v, do, rows, tiles, flips, *, causal: bool, c: float, scale: float, checks: bool, c_sum, cfg,
+    redo: tuple | None = None,
+):  # fmt: skip
     """dq (and the query-row checks). rows: lse2, δ, then with checks tol_s, tol_dp, all (B, H, T)
     f32; tiles: ks, vs, kd; flips: {gemm: (bit, col)} for scores, dp, dq; c_sum: the dq check's
-    factor (times Σ |ds|·‖k‖₁, measured)."""
+    factor (times Σ |ds|·‖k‖₁, measured). ``redo``: (flags (B, H, T / (2 block_q)) int32, then
+    mutable refs of dq and the three ratio rows): only flagged CTAs run, writing over the refs;
+    returns None."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -560,13 +596,13 @@ def _dq_call(
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
             plgpu.Barrier(num_barriers=2 * n_in),
         )
-        _scoped(pl, plgpu, kernel, refs, smem, bars, stages)
+        _scoped(pl, plgpu, kernel, refs, smem, bars, stages, len(args) if redo else None, "q_seq")
 
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * n_t
-    launch = _launch(plgpu, entry, out_type, (h, t // (2 * bq), b), "q_seq")
-    return launch(q, k, v, do, *rows, *tiles, *flat_flips)
+    args = (q, k, v, do, *rows, *tiles, *flat_flips)
+    return _launch(plgpu, entry, out_type, (h, t // (2 * bq), b), "q_seq", redo)(*args)
 
 
 def _check_inputs(q, k, v, out, lse, do, causal: bool, cfg: FlashBwdConfig, name: str) -> None:
@@ -671,6 +707,62 @@ def flash_attention_bwd(
     Returns ``(dq, dk, dv, checks)``: the seven per-row ratios (None when ``checks=False``, the kernels
     without checksums: the peer that says what they cost). Raises NotImplementedError off a Hopper GPU.
     """
+    return _bwd(q, k, v, out, lse, dout, faults, causal, scale, lam, checks, config, redo=False)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "config"))
+def flash_attention_bwd_with_redo(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    out: Float[Array, "b t h d"],
+    lse: Float[Array, "b h t"],
+    dout: Float[Array, "b t h d"],
+    faults: FlashBwdFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    config: FlashBwdConfig | None = None,
+) -> _Redone:
+    """:func:`flash_attention_bwd` (``faults`` injected there), then both kernels again on the device,
+    with no branch, over the CTAs whose rows failed a check: one launch per kernel over every CTA, of
+    which a clean one reads its flag and exits and a flagged one computes its rows afresh (no
+    injected faults: they model transient errors) and writes them over the first pass's gradients
+    and ratios, in place. The dq kernel's CTAs are flagged by its three query-row checks, the dk/dv
+    kernel's by its four key-row checks (:func:`redo_flags_bwd`); the two passes share the bounds
+    (one read of q, k, v, do and out). Returns ``(dq, dk, dv, first, checks)``: the first pass's
+    ratios and the final ones (a redone row that fails again says so there). The two kernels only
+    (not ``FlashBwdConfig(fused=True)``); Hopper only. :func:`flash_attention_bwd_with_redo_reference`
+    is the same through XLA."""
+    if _fused(q.shape[-1], config):
+        raise ValueError(
+            "pimlayers.flash_attention_bwd_with_redo: the fused kernel (FlashBwdConfig(fused=True)) has no "
+            "device redo; use the two kernels"
+        )
+    return _bwd(q, k, v, out, lse, dout, faults, causal, scale, lam, True, config, redo=True)
+
+
+def redo_flags_bwd(
+    checks: FlashBwdChecks, config: FlashBwdConfig | None = None
+) -> tuple[Int32[Array, "b h nq"], Int32[Array, "b kv nk"]]:
+    """Which CTAs of the two backward kernels hold a row that failed a check: the dq kernel's (B, H,
+    T / (2 block_q)) from the scores, dp and dq ratios, the dk/dv kernel's (B, KV, S / (2 block_kv))
+    from the scores_t, dp_t, dv and dk ratios; int32, 1 where a ratio is above 1 or NaN."""
+    cfg = config or FlashBwdConfig()
+
+    def flags(rows, n):
+        b, h, t = rows[0].shape
+        bad = functools.reduce(jnp.logical_or, [~(r <= 1.0) for r in rows])
+        return jnp.any(bad.reshape(b, h, t // n, n), axis=-1).astype(jnp.int32)
+
+    q_rows = [checks.scores, checks.dp, checks.dq]
+    k_rows = [checks.scores_t, checks.dp_t, checks.dv, checks.dk]
+    return flags(q_rows, 2 * cfg.block_q), flags(k_rows, 2 * cfg.block_kv)
+
+
+def _bwd(q, k, v, out, lse, dout, faults, causal, scale, lam, checks: bool, config, redo: bool):
+    """:func:`flash_attention_bwd` and, with ``redo``, :func:`flash_attention_bwd_with_redo`."""
     if faults is not None and not checks:
         raise ValueError(
             "pimlayers.flash_attention_bwd: faults are injected before the checks; pass checks=True"
@@ -713,7 +805,71 @@ def flash_attention_bwd(
     )  # fmt: skip
     if fused:
         dq, rq = dq_f, [None, None, r_dq]
-    return dq, dk, dv, (FlashBwdChecks(*rq, *rk) if checks else None)
+    first = FlashBwdChecks(*rq, *rk) if checks else None
+    if not redo:
+        return dq, dk, dv, first
+    flags_q, flags_k = redo_flags_bwd(first, cfg)
+    q_in, k_in = (q_rows, q_tiles), (k_rows, k_tiles)
+
+    def again(q, k, v, dout, lse2, delta, flags_q, flags_k, *rest):
+        """The redo's two launches on mutable refs of the first pass's results (batch on axis 0
+        everywhere, so a vmap folds into the batch: ``_fold_vmap``)."""
+        ins, res = rest[: len(q_in_flat)], rest[len(q_in_flat) :]
+        (q_rows, q_tiles), (k_rows, k_tiles) = jax.tree.unflatten(in_tree, ins)
+        refs = [jax.new_ref(x) for x in res]  # dq, dk, dv, then the seven ratio rows
+        dq_r, dk_r, dv_r, rs, rdp, rdq, rst, rdpt, rdv, rdk = refs
+        _dq_call(q, k, v, dout, q_rows, q_tiles, {}, c_sum=c_dq, redo=(flags_q, dq_r, rs, rdp, rdq), **kw)
+        dkv_call(
+            q, k, v, dout, lse2, delta, k_rows, k_tiles, {}, c_sum=c_kv, c_dq=c_dq,
+            redo=(flags_k, dk_r, dv_r, rst, rdpt, rdv, rdk), **kw,
+        )  # fmt: skip
+        return tuple(r[...] for r in refs)
+
+    q_in_flat, in_tree = jax.tree.flatten((q_in, k_in))
+    dq, dk, dv, *final = _fold_vmap(again)(
+        q, k, v, dout, lse2, delta, flags_q, flags_k, *q_in_flat, dq, dk, dv, *first
+    )
+    return dq, dk, dv, first, FlashBwdChecks(*final)
+
+
+def flash_attention_bwd_with_redo_reference(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    out: Float[Array, "b t h d"],
+    lse: Float[Array, "b h t"],
+    dout: Float[Array, "b t h d"],
+    faults: FlashBwdFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    config: FlashBwdConfig | None = None,
+) -> _Redone:
+    """:func:`flash_attention_bwd_with_redo` through XLA (any backend): the reference with ``faults``,
+    then its fault-free results on the flagged CTAs' rows. For tests and the layers' reference
+    path."""
+    cfg = config or FlashBwdConfig()
+    if _fused(q.shape[-1], cfg):
+        raise ValueError(
+            "pimlayers.flash_attention_bwd_with_redo_reference: the fused kernel has no device redo"
+        )
+    kw = dict(causal=causal, scale=scale, lam=lam, config=cfg)
+    dq, dk, dv, first = flash_attention_bwd_reference(q, k, v, out, lse, dout, faults, **kw)
+    dq2, dk2, dv2, again = flash_attention_bwd_reference(q, k, v, out, lse, dout, **kw)
+    flags_q, flags_k = redo_flags_bwd(first, cfg)
+    rows_q = jnp.repeat(flags_q != 0, 2 * cfg.block_q, axis=-1)  # (B, H, T)
+    rows_k = jnp.repeat(flags_k != 0, 2 * cfg.block_kv, axis=-1)  # (B, KV, S)
+    pick = lambda rows, new, old: jnp.where(rows.transpose(0, 2, 1)[..., None], new, old)
+    pairs = enumerate(zip(again, first, strict=True))
+    final = [jnp.where(rows_q if i < 3 else rows_k, a, b) for i, (a, b) in pairs]
+    return (
+        pick(rows_q, dq2, dq),
+        pick(rows_k, dk2, dk),
+        pick(rows_k, dv2, dv),
+        first,
+        FlashBwdChecks(*final),
+    )
 
 
 def flash_attention_bwd_reference(

@@ -66,13 +66,16 @@ def dkv_call(
     cfg,
     fused: bool = False,
     c_dq=0.0,
+    redo: tuple | None = None,
 ):
     """(dq, dk, dv, key-row ratios, dq ratio): dk, dv and the key-row checks, and with ``fused`` dq
     and its check (else None for both). lse2, δ (B, H, T) f32; rows with checks: tol_st, tol_dpt
     (B, KV, S) f32; tiles: qs, dos, qd, dod, qm (fused: then kd); flips: {gemm: (bit, col)} for
     scores_t, dp_t, dv, dk (fused: and dq, flipped on the accumulated dq before its check); c_sum:
     the dv and dk checks' factor (times Σ p·‖do‖₁ and Σ_i Σ |ds|·max ‖q‖₁, measured); c_dq: the dq
-    check's (times Σ |ds|·‖k‖₁, measured)."""
+    check's (times Σ |ds|·‖k‖₁, measured). ``redo`` (two kernels only): (flags (B, KV,
+    S / (2 block_kv)) int32, then mutable refs of dk, dv and the four ratio rows): only flagged CTAs
+    run, writing over the refs; returns None."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -339,7 +342,7 @@ def dkv_call(
         )
         if fused:  # ds_bars: [0] both warpgroups wrote this step's ds, [1] both dq GEMMs read it
             bars += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
-        _scoped(pl, plgpu, kernel, refs, smem, bars, stages)
+        _scoped(pl, plgpu, kernel, refs, smem, bars, stages, len(args) if redo else None, "kv_seq")
 
     kv_shape = jax.ShapeDtypeStruct(k.shape, dtype)
     row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
@@ -347,6 +350,11 @@ def dkv_call(
     n_out = 4 if checks else 0  # ratio rows: scores_t, dp_t, dv, dk
     out_type = [kv_shape, kv_shape] + [row] * n_out
     args = (q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
+    if redo is not None:
+        if fused:
+            raise NotImplementedError("pimlayers: the fused backward kernel has no device redo")
+        _launch(plgpu, entry, out_type, (kvh, s // (2 * bk), b), "kv_seq", redo)(*args)
+        return None
     if not fused:
         launch = _launch(plgpu, entry, out_type, (kvh, s // (2 * bk), b), "kv_seq")
         dk, dv, *rk = launch(*args)
