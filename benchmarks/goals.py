@@ -94,7 +94,9 @@ def _attention(res: dict) -> list[dict]:
     out = []
     for r in filter(want, res["rows"]):
         if r["mode"] in cudnn:
-            case = f"{r['mode']}, {r['shape']}" + (", no recompute" if "no recompute" in r["op"] else "")
+            # The default (since 2026-12-05 the device redo), the recompute loop, or no recompute.
+            kind = next((k for k in ("no recompute", "recompute loop") if k in r["op"]), "")
+            case = f"{r['mode']}, {r['shape']}" + (f", {kind}" if kind else "")
             peer = f"cuDNN {cudnn[r['mode']]['ms']:.3g} ms"
             out.append(_row(2, res, case, peer, f"{r['ms']:.3g} ms", r["vs_cudnn"], 0.93))
     return out

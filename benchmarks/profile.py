@@ -254,7 +254,7 @@ def _sweep(
 
 
 def _step_idle(
-    trace_dir: pathlib.Path, module: str = "jit_step_fn", skip_first: bool = True
+    trace_dir: pathlib.Path, module: str | None = "jit_step_fn", skip_first: bool = True
 ) -> StepIdle | None:
     """Idle time inside the executions of ``module`` on a GPU trace, each measured on its own.
 
@@ -264,19 +264,20 @@ def _step_idle(
     execution's ``GpuExecutable::ExecuteThunks`` span; the execution's idle time is its device span
     less the union of its events. What the device waits for inside a program is what this counts:
     the host's launches falling behind, a branch's predicate read on the host. ``skip_first``
-    leaves out the first execution (autotuning, first-touch). None without a device timeline or
-    without an execution of ``module``."""
+    leaves out the first execution (autotuning, first-touch). ``module`` None: the module executed
+    most often in the trace. None without a device timeline or without an execution of ``module``."""
     events, procs = _events(trace_dir)
     device = _device_pids(procs)
     if not device:
         return None
+    host = (e for e in events if e.get("ph") == "X" and e["pid"] not in device)
+    execs = [e for e in host if e["name"].endswith("GpuExecutable::ExecuteThunks")]
+    if module is None and execs:
+        module = collections.Counter(e.get("args", {}).get("module_name") for e in execs).most_common(1)[0][0]
     runs = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        for e in events
-        if e.get("ph") == "X"
-        and e["pid"] not in device
-        and e["name"].endswith("GpuExecutable::ExecuteThunks")
-        and e.get("args", {}).get("module_name") == module
+        for e in execs
+        if e.get("args", {}).get("module_name") == module
     )
     if not runs:
         return None
@@ -330,6 +331,19 @@ def _step_idle(
         med(between),
         med(between_busy),
     )
+
+
+def call_idle(fn: typing.Callable[..., typing.Any], *args, calls: int = 6) -> StepIdle | None:
+    """The device's idle time inside ``calls`` back-to-back calls of the jitted ``fn(*args)`` (the
+    first left out) and between them (:func:`_step_idle`, on the module executed most often): where
+    a program's wall clock exceeds its kernels' time, which kernels the device waited between. None
+    without a device timeline (a CPU)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            outs = [fn(*args) for _ in range(calls)]
+            jax.block_until_ready(outs)
+        return _step_idle(pathlib.Path(d), module=None)
 
 
 def _host(trace_dir: pathlib.Path) -> tuple[collections.Counter, collections.Counter]:

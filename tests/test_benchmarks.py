@@ -1186,6 +1186,8 @@ def test_profile_step_idle_is_measured_inside_each_execution_of_the_step(tmp_pat
     # start (2100), 3 µs of it the other program's kernel.
     assert si.between_us == 970.0 and si.between_busy_us == 3.0
     assert profile._step_idle(tmp_path / "t", module="jit_missing") is None
+    # module=None: the module executed most often (the step, three times against one).
+    assert profile._step_idle(tmp_path / "t", module=None) == si
 
 
 def test_profile_saves_the_step_programs_largest_gaps():
@@ -1280,3 +1282,22 @@ def test_collectives_suite_counts_the_protected_step_against_the_plain_one():
     assert on["every_step"] > off["every_step"] > 0 and off["on_a_fault"] == 0 and on["on_a_fault"] > 0
     kinds = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute")
     assert all(r["every_step"] == sum(r[k] for k in kinds) for r in rows)
+
+
+def test_peers_idle_columns_name_the_longest_waits(monkeypatch):
+    """The attention core's rows get the device's idle time inside and between calls and the three
+    longest waits (a GPU's profile, here a stand-in); other rows and a CPU get none."""
+    import collections
+
+    from benchmarks import peers, profile
+
+    waits = {("flash_fwd", "redo"): 30.0, ("redo", "dq"): 200.0, ("a", "b"): 1.0, ("c", "d"): 5.0}
+    gaps = collections.Counter(waits)
+    idle = profile.StepIdle(5, 5000.0, 4700.0, 300.0, gaps, collections.Counter(), 12.0, 0.0)
+    monkeypatch.setattr(peers, "call_idle", lambda fn, *args: idle)
+    core = "pimlayers attention_core, protected (flash)"
+    assert peers._idle_cols(core, None, ()) == {}  # a CPU: no device timeline
+    monkeypatch.setattr(peers, "_device_timeline", lambda: True)
+    cols = peers._idle_cols(core, None, ())
+    assert cols == dict(idle_ms=0.3, between_ms=0.012, idle_top="redo > dq 200; flash_fwd > redo 30; c > d 5")
+    assert peers._idle_cols("cuDNN flash attention", None, ()) == {}
