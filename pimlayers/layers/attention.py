@@ -14,7 +14,8 @@ else a loop of 0 or 1 trips over the whole kernel). Its backward pass starts
 from the forward's output and logsumexp: the scores are recomputed by one checked GEMM and the
 probabilities read off the logsumexp: on a Hopper GPU by the flash backward kernels
 (:func:`pimlayers.ops.flash_attention_bwd`, all seven of their GEMMs checked inside them, a
-detected fault reruns them), elsewhere materialised, its GEMMs checked as the materialised path's.
+detected fault reruns them, by default on the device over the failing blocks alone), elsewhere
+materialised, its GEMMs checked as the materialised path's.
 """
 
 from __future__ import annotations

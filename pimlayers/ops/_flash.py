@@ -27,7 +27,10 @@ vmax = max over keys of sum_d |v|, l = the sum of the bf16 probabilities (times 
 own f32 accumulation); the 64 covers the hi/lo split of the checksums, the S/block_kv term the
 output's per-step rescaling. The kernel writes, per query row, the worse ratio |difference| / bound
 of each check (NaN or Inf counts as infinitely bad); a row above 1 was hit by a fault.
-:func:`pimlayers.layers.attention_core` turns that into a recompute and a FaultReport. The bounds'
+:func:`pimlayers.layers.attention_core` turns that into a recompute and a FaultReport: by default
+:func:`flash_attention_redo`, the same kernel launched again with a flag per CTA (one whose rows
+passed reads its flag and exits; one whose rows failed recomputes them and writes them over the
+first pass's arrays in place: no branch, so no host round trip on a GPU). The bounds'
 inputs come from XLA (``flash_bounds``, from k and v alone): the checksum tiles, kmax and vmax. The
 kernel forms |q|·kmax itself, once per warpgroup, on the tensor cores from the q tile it holds
 (|q| in registers times an 8-row tile [hi(c kmax), lo(c kmax), 0 x 6]): XLA's pass over q for it

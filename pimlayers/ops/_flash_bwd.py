@@ -50,8 +50,12 @@ covers the hi/lo split of the checksums (2^-18 relative). A first version bounde
 about 10^4 times the rounding.
 
 Each kernel writes, per row, |difference| / bound of each of its GEMMs (NaN or Inf: _BAD): a row
-above 1 was hit by a fault. :func:`pimlayers.layers.attention_core`'s backward reruns both kernels
-when any row fails and reports it. Bit flips can be injected inside the kernels (``FlashBwdFaults``).
+above 1 was hit by a fault. :func:`pimlayers.layers.attention_core`'s backward reruns the kernels
+when a row fails and reports it: by default :func:`flash_attention_bwd_with_redo`, both kernels
+launched again over every CTA with a flag each (a CTA whose rows passed exits at once, one whose
+rows failed recomputes them over the first pass's results, in place), so no branch and no host
+round trip; otherwise a loop over both. Bit flips can be injected inside the kernels
+(``FlashBwdFaults``).
 Reference: ``flash_attention_bwd_reference`` (the same quantities from XLA, materialised).
 """
 
