@@ -10,7 +10,8 @@ one H200, ratios side by side in one run; the CPU goal on the CI machine):
    128-column blocks, the default policy and, where the file has them, the other recompute
    policies): plain / protected >= 1.00;
 2. protected causal GQA attention (the layer's protected core on the verified flash kernels, with
-   the default recompute loop and, where the file has it, without) against cuDNN's flash attention,
+   the default recompute (a loop until 2026-12-05, then the device redo) and, where the file has
+   them, with the loop and without recompute) against cuDNN's flash attention,
    forward and forward+backward: >= 0.93;
 3. the parameter scrub's bandwidth against the datasheet's 4.8 TB/s: >= 0.90 (by its kernels' time
    where the file has it, and by the timed loop);

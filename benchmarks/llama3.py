@@ -50,9 +50,10 @@ def run(
     what a check cannot locate skips the step instead of being recomputed, so no loop at all (with
     ``fused`` too, also on with the fused forward GEMM and no recompute). The default protected
     step redoes what a GEMM's check cannot locate on one device kernel each, with no branch, where a
-    GPU runs it (``FaultPolicy.recompute_kernel``'s default; attention keeps its recompute loop);
-    ``loop`` adds one with ``FaultPolicy(recompute_kernel=False)``: the GEMMs' recompute loop, whose
-    predicate the host reads (the default before 2026-12-05; on a CPU the default is that loop).
+    GPU runs it (``FaultPolicy.recompute_kernel``'s default; since the later runs of 2026-12-05 the
+    attention's flash kernels redo theirs on the device too); ``loop`` adds one with
+    ``FaultPolicy(recompute_kernel=False)``: the GEMMs' and the attention's recompute loops, whose
+    predicates the host reads (the default before 2026-12-05; on a CPU the default is that loop).
     ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" (the default,
     like the dot-saving peer the goal names) keeps the linear layers' products for the backward pass;
     "full" recomputes them (the training script's default: less memory)."""
@@ -63,7 +64,7 @@ def run(
     # (protect, fused, flash, recompute_blocks, recompute, recompute_kernel): off; off with cuDNN's
     # attention; on; with ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with
     # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
-    # without recompute), with ``loop`` on with the GEMMs' recompute loop (recompute_kernel None:
+    # without recompute), with ``loop`` on with the recompute loops (recompute_kernel None:
     # the policy's default, the device kernel where a GPU runs it).
     configs = [(False, False, "auto", None, True, None)]
     configs += [(False, False, "on", None, True, None)] if cudnn_peer else []

@@ -100,8 +100,8 @@ def main() -> None:
     ap.add_argument(
         "--loop",
         action="store_true",
-        help="llama3: also protected with FaultPolicy(recompute_kernel=False) (the GEMMs' recompute loop; "
-        "the default redoes on a device kernel where a GPU runs it)",
+        help="llama3: also protected with FaultPolicy(recompute_kernel=False) (the GEMMs' and the "
+        "attention's recompute loops; the default redoes on device kernels where a GPU runs them)",
     )
     ap.add_argument(
         "--no-recompute",

@@ -18,13 +18,13 @@ autotunes get the same choices in every process; whether that narrows the spread
 measured. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
 
 ``--attention fwd`` (or ``fwd+bwd``) times the protected attention core instead of a training step:
-``layers.attention_core`` with the default FaultPolicy (its rerun loop included) at one Llama-3-8B
-layer's attention (B = 1, T = ``--seq``, 32 query / 8 KV heads, D = 128, ``--dtype``), ``--steps``
-calls per process after one that compiles. For settings that act on that loop, such as XLA's
-command buffers with device-side loops (``--env
-"XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"``): the loop's predicate goes
-through the host on every call otherwise (on an H100, 2026-12-05, the forward took 0.799x of
-cuDNN's speed with the loop and 0.929x without it, peers-s43).
+``layers.attention_core`` with the default FaultPolicy (its recompute included: since the later runs
+of 2026-12-05 the device redo, before a loop) at one Llama-3-8B layer's attention (B = 1, T =
+``--seq``, 32 query / 8 KV heads, D = 128, ``--dtype``), ``--steps`` calls per process after one
+that compiles. Written for settings that act on the loop, such as XLA's command buffers with
+device-side loops (``--env "XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"``): on an
+H100 (2026-12-05, step-ab-s44cb) the loop's forward took 1.271 ms a call with them against 1.218
+without, so they did not take its host round trip away; the device redo did (peers-s44bwd).
 """
 
 from __future__ import annotations

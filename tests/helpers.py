@@ -79,3 +79,17 @@ def all_gathers(hlo: str) -> list[tuple[str, bool]]:
     """Every all-gather of a compiled program: (its result type, whether it runs only inside a loop
     or a conditional's branch: ``benchmarks.hlo``)."""
     return [(c.types[0], not c.every_call) for c in collectives(hlo) if c.kind == "all-gather"]
+
+
+def flash_faults(rows, b: int, h: int, t: int):
+    """``ops.FlashFaults`` with the given (site, batch, head, row, bit, key-or-column) flips, site
+    "scores" (bit of S at that key) or "out" (bit of the output accumulator at that column)."""
+    from pimlayers import ops
+
+    sb, sk, ob, oc = (np.array(a) for a in ops.FlashFaults.none(b, h, t))
+    for which, bi, hi, ti, bit, col in rows:
+        if which == "scores":
+            sb[bi, hi, ti], sk[bi, hi, ti] = bit, col
+        else:
+            ob[bi, hi, ti], oc[bi, hi, ti] = bit, col
+    return ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))

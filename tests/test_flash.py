@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TraceCounter
+from helpers import TraceCounter, flash_faults
 
 from benchmarks.bounds import _same_tiles
 from pimlayers import layers as L
@@ -28,13 +28,7 @@ def _qkv(b=B, t=T, h=H, kv=KV, d=D, seed=0, scale=1.0):
 
 def _faults(rows, b=B, h=H, t=T):
     """FlashFaults with the given (site, batch, head, row, bit, key-or-column) flips."""
-    sb, sk, ob, oc = (np.array(a) for a in ops.FlashFaults.none(b, h, t))
-    for which, bi, hi, ti, bit, col in rows:
-        if which == "scores":
-            sb[bi, hi, ti], sk[bi, hi, ti] = bit, col
-        else:
-            ob[bi, hi, ti], oc[bi, hi, ti] = bit, col
-    return ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
+    return flash_faults(rows, b, h, t)
 
 
 # Under jit, as the layers call it: eagerly each of its ops compiles on its own (several times slower).
@@ -563,15 +557,20 @@ def test_auto_flash_only_where_the_arrays_are_one_devices(cpu_mesh):
     assert seen == [True]
 
 
-def test_flash_over_several_devices_runs_on_each_devices_batch_rows(cpu_mesh, monkeypatch):
+@pytest.mark.parametrize("policy", [POLICY, REDO], ids=["loop", "device-redo"])
+def test_flash_over_several_devices_runs_on_each_devices_batch_rows(cpu_mesh, monkeypatch, policy):
     # flash=True with the batch sharded over 8 devices: each device runs the kernel (here its XLA
-    # reference) on its own batch rows, forward and backward, and the result is the one-device one.
+    # reference) on its own batch rows, forward and backward, and the result is the one-device one;
+    # with the device redo its XLA twins too (forward and backward).
     from jax.sharding import PartitionSpec as P
 
     from pimlayers.layers import attention as A
 
     seen = []
-    for name in ("flash_attention_reference", "flash_attention_bwd_reference"):
+    names = ["flash_attention_reference", "flash_attention_bwd_reference"]
+    if policy is REDO:
+        names = ["flash_attention_redo_reference", "flash_attention_bwd_with_redo_reference"]
+    for name in names:
         real = getattr(A, name)
 
         def spy(q, *a, _real=real, **kw):
@@ -585,8 +584,8 @@ def test_flash_over_several_devices_runs_on_each_devices_batch_rows(cpu_mesh, mo
 
     def both(q, k, v, do):
         scale = 1 / np.sqrt(D)
-        out, lse, rf = A._flash_forward(q, k, v, None, scale, True, POLICY, True)
-        grads, rb = A._flash_backward(q, k, v, out, lse, do, scale, True, POLICY, reference=True)
+        out, lse, rf = A._flash_forward(q, k, v, None, scale, True, policy, True)
+        grads, rb = A._flash_backward(q, k, v, out, lse, do, scale, True, policy, reference=True)
         return out, grads, rf, rb
 
     want = jax.jit(both)(q, k, v, do)  # arrays on one device: no partitioning

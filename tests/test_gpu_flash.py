@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TraceCounter
+from helpers import TraceCounter, flash_faults
 
 from benchmarks.bounds import _same_tiles
 from pimlayers import layers as L
@@ -149,17 +149,6 @@ def test_kernel_under_vmap_equals_one_call_per_example(hopper):
         np.testing.assert_allclose(np.asarray(checks.scores[i]), np.asarray(c1.scores), rtol=1e-5)
 
 
-def _sites(b, h, t, *rows):
-    """FlashFaults with (which, batch, head, row, bit, key-or-column) flips."""
-    sb, sk, ob, oc = (np.array(a) for a in ops.FlashFaults.none(b, h, t))
-    for which, bi, hi, ti, bit, col in rows:
-        if which == "scores":
-            sb[bi, hi, ti], sk[bi, hi, ti] = bit, col
-        else:
-            ob[bi, hi, ti], oc[bi, hi, ti] = bit, col
-    return ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
-
-
 def _redone(flags):
     """(B, T, H) bool: the query rows of the CTAs ``flags`` (B, H, T / 128) marks."""
     return np.repeat(np.asarray(flags) != 0, 128, axis=-1).transpose(0, 2, 1)
@@ -172,7 +161,7 @@ REDO_SHAPES = [(2, 384, 4, 2, 128, True), (1, 256, 8, 2, 64, False)]
 def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape):
     b, t, h, kv, d, causal = shape
     q, k, v = _qkv(b, t, h, kv, d, seed=7)
-    faults = _sites(b, h, t, ("scores", 0, 1, 40, 30, 3), ("out", b - 1, h - 1, t - 1, 29, 7))
+    faults = flash_faults([("scores", 0, 1, 40, 30, 3), ("out", b - 1, h - 1, t - 1, 29, 7)], b, h, t)
     out, lse, checks = ops.flash_attention(q, k, v, faults, causal=causal)
     flags = ops.redo_flags(checks)
     assert int(np.sum(np.asarray(flags))) == 2
