@@ -378,8 +378,9 @@ def _flash_forward_redo(
     run, inputs, ff, groups, scale: float, causal: bool, policy: FaultPolicy, reference: bool
 ):
     """The kernel, then :func:`pimlayers.ops.flash_attention_redo` over the CTAs whose rows failed a
-    check: no branch, so no host round trip on a GPU (the loop's costs one per call: on an H100 the
-    forward ran at 0.799x of cuDNN's speed with it, 0.929x without, 2026-12-05). A redone row is
+    check: no branch, so no host round trip on a GPU (the loop costs one per call: on an H100 the
+    core's forward ran at 0.858x of cuDNN's speed with the loop, 0.914x with this, 0.928x
+    recomputing nothing, 2026-12-05, peers-s44bwd). A redone row is
     checked again; one that fails again is uncorrectable. The rerun's output values are gated as
     the loop gates them. ``gemm_recomputed`` counts the (batch, KV head) GEMMs with a redone block
     (the loop's counts every GEMM)."""
