@@ -6,6 +6,8 @@ tests (``tests/test_gpu.py``) check the kernel against that reference and run th
 scenarios through it.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -341,6 +343,10 @@ def test_redo_errors():
     if not ops._fused_gemm.hopper():
         with pytest.raises(NotImplementedError, match="Hopper"):
             ops.flash_attention_redo(q, k, v, flags, out, lse, checks)
+        with pytest.raises(NotImplementedError, match="Hopper"):
+            ops.flash_attention_with_redo(q, k, v)
+    with pytest.raises(TypeError, match="expected bfloat16"):
+        ops.flash_attention_with_redo(*(a.astype(jnp.float16) for a in (q, k, v)))
 
 
 def test_fold_vmap_folds_the_vmapped_axis_into_the_batch():
@@ -391,6 +397,48 @@ def test_flash_path_device_redo_gates_and_reports_as_the_loop_does():
     assert rd["nonfinite_gated"] == D  # the one row, every value
     assert {**rd, "gemm_recomputed": 0} == {**r2.to_dict(), "gemm_recomputed": 0}
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+
+
+def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(monkeypatch):
+    """The attention core's default where the Hopper kernels run, lowered here for a GPU (Mosaic GPU
+    and Triton lower without one): the forward's two kernel launches (first pass, redo) and the
+    backward's four, the bounds once per pass (2 + 3 Triton kernels), and no while loop, so no host
+    round trip; the loop policy keeps its two loops. Also under vmap(grad) of a rematerialised scan,
+    as a Llama step runs it (the redo's refs live inside ``run_state``: as ``jax.new_ref`` inside
+    the vmap fold, jax 0.10 failed to lower them, "No state discharge rule ... custom_vmap_call")."""
+    import collections
+    import re
+
+    from pimlayers.layers import attention as A
+
+    for mod in (ops._flash, ops._flash_bwd, A):
+        monkeypatch.setattr(mod, "hopper", lambda: True)
+    q, k, v = _qkv(d=128)
+
+    def lowered(fn, *args):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
+        return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"], text.count("stablehlo.while")
+
+    def loss(q, k, v, policy=POLICY):
+        return jnp.sum(L.attention_core(q, k, v, policy=policy, flash=True)[0].astype(jnp.float32))
+
+    fwd = lambda q, k, v: L.attention_core(q, k, v, policy=POLICY, flash=True)[0]
+    assert lowered(fwd, q, k, v) == (2, 2, 0)
+    assert lowered(jax.grad(loss, argnums=(0, 1, 2)), q, k, v) == (6, 5, 0)
+    loop = functools.partial(loss, policy=FaultPolicy(recompute_kernel=False))
+    assert lowered(jax.grad(loop, argnums=(0, 1, 2)), q, k, v)[2] == 2
+
+    def scanned(q, k, v):
+        body = jax.checkpoint(lambda c, _: (L.attention_core(c, k, v, policy=POLICY, flash=True)[0], None))
+        return jnp.sum(jax.lax.scan(body, q, None, length=2)[0].astype(jnp.float32))
+
+    stacked = [jnp.stack([x, x]) for x in (q, k, v)]
+    mosaic, _, loops = lowered(jax.vmap(jax.grad(scanned)), *stacked)
+    # Lowered at all is the point. Launches: on one device 8 (forward, its rematerialisation,
+    # backward), over this suite's 8 CPU devices 6 (inside the per-device custom partitioning);
+    # loops: the two scans' alone.
+    assert mosaic >= 6 and loops == 2
 
 
 def test_detect_mode_reports_without_recomputing():
@@ -569,7 +617,7 @@ def test_flash_over_several_devices_runs_on_each_devices_batch_rows(cpu_mesh, mo
     seen = []
     names = ["flash_attention_reference", "flash_attention_bwd_reference"]
     if policy is REDO:
-        names = ["flash_attention_redo_reference", "flash_attention_bwd_with_redo_reference"]
+        names = ["flash_attention_with_redo_reference", "flash_attention_bwd_with_redo_reference"]
     for name in names:
         real = getattr(A, name)
 

@@ -42,9 +42,9 @@ from ..ops import (
     flash_attention_bwd_reference,
     flash_attention_bwd_with_redo,
     flash_attention_bwd_with_redo_reference,
-    flash_attention_redo,
-    flash_attention_redo_reference,
     flash_attention_reference,
+    flash_attention_with_redo,
+    flash_attention_with_redo_reference,
     flash_bwd_supported,
     flash_supported,
     gate,
@@ -362,7 +362,7 @@ def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy,
 
     groups = lambda ch: _failing([ch.scores, ch.out], b, kvh)
     if policy.corrects and policy.recompute and _flash_redo_wanted(policy, reference):
-        return _flash_forward_redo(run, (q, k, v), ff, groups, scale, causal, policy, reference)
+        return _flash_forward_redo(q, k, v, ff, groups, scale, causal, policy, reference)
     (out, lse), report = _run_checked(run, (q, k, v), ff, groups, 2 * b * kvh, policy, gate_first=True)
     return out, lse, report
 
@@ -375,33 +375,31 @@ def _flash_redo_wanted(policy: FaultPolicy, reference: bool) -> bool:
 
 
 def _flash_forward_redo(
-    run, inputs, ff, groups, scale: float, causal: bool, policy: FaultPolicy, reference: bool
+    q, k, v, ff, groups, scale: float, causal: bool, policy: FaultPolicy, reference: bool
 ):
-    """The kernel, then :func:`pimlayers.ops.flash_attention_redo` over the CTAs whose rows failed a
-    check: no branch, so no host round trip on a GPU (the loop costs one per call: on an H100 the
-    core's forward ran at 0.858x of cuDNN's speed with the loop, 0.914x with this, 0.928x
-    recomputing nothing, 2026-12-05, peers-s44bwd). A redone row is
-    checked again; one that fails again is uncorrectable. The rerun's output values are gated as
+    """The kernel, then the same kernel again over the CTAs whose rows failed a check
+    (:func:`pimlayers.ops.flash_attention_with_redo`): no branch, so no host round trip on a GPU
+    (the loop costs one per call: on an H100 the core's forward ran at 0.858x of cuDNN's speed with
+    the loop, 0.914x with this, 0.928x recomputing nothing, 2026-12-05, peers-s44bwd). A redone row
+    is checked again; one that fails again is uncorrectable. The rerun's output values are gated as
     the loop gates them. ``gemm_recomputed`` counts the (batch, KV head) GEMMs with a redone block
     (the loop's counts every GEMM)."""
-    q, k, v = inputs
     b, kvh = q.shape[0], k.shape[2]
-    (out, lse), ch = run(q, k, v, ff)
-    detected = jnp.sum(groups(ch), dtype=jnp.int32)
-    flags = redo_flags(ch)
-    redo = flash_attention_redo_reference if reference else flash_attention_redo
+    op = flash_attention_with_redo_reference if reference else flash_attention_with_redo
     limit = math.inf if policy.gate_limit is None else policy.gate_limit
-    spec = (policy.gate_fill, limit) if policy.gate else None
+    kw = dict(
+        causal=causal, scale=scale, lam=policy.lam, gate=(policy.gate_fill, limit) if policy.gate else None
+    )
 
-    def call(q, k, v, flags, out, lse, r_qk, r_pv):
-        ch = FlashChecks(r_qk, r_pv)
-        kw = dict(causal=causal, scale=scale, lam=policy.lam, gate=spec)
-        out, lse, ch2, gated = redo(q, k, v, flags, out, lse, ch, **kw)
-        return out, lse, ch2.scores, ch2.out, gated
+    def call(q, k, v, *sites):
+        out, lse, first, final, gated = op(q, k, v, FlashFaults(*sites) if sites else None, **kw)
+        return out, lse, *first, *final, gated
 
-    out, lse, r_qk, r_pv, gated = _per_batch(call, q, k, v, flags, out, lse, ch.scores, ch.out)
-    still = jnp.sum(groups(FlashChecks(r_qk, r_pv)), dtype=jnp.int32)
-    redone = jnp.sum(jnp.any(flags.reshape(b, kvh, -1) != 0, axis=-1), dtype=jnp.int32)
+    out, lse, s1, o1, s2, o2, gated = _per_batch(call, q, k, v, *(ff or ()))
+    first, final = FlashChecks(s1, o1), FlashChecks(s2, o2)
+    detected = jnp.sum(groups(first), dtype=jnp.int32)
+    still = jnp.sum(groups(final), dtype=jnp.int32)
+    redone = jnp.sum(jnp.any(redo_flags(first).reshape(b, kvh, -1) != 0, axis=-1), dtype=jnp.int32)
     report = FaultReport(
         gemm_checked=2 * b * kvh,
         gemm_detected=detected,

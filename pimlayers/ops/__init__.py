@@ -25,6 +25,8 @@ from ._flash import flash_attention as flash_attention
 from ._flash import flash_attention_redo as flash_attention_redo
 from ._flash import flash_attention_redo_reference as flash_attention_redo_reference
 from ._flash import flash_attention_reference as flash_attention_reference
+from ._flash import flash_attention_with_redo as flash_attention_with_redo
+from ._flash import flash_attention_with_redo_reference as flash_attention_with_redo_reference
 from ._flash import flash_supported as flash_supported
 from ._flash import redo_flags as redo_flags
 from ._flash_bwd import FlashBwdChecks as FlashBwdChecks

@@ -72,6 +72,8 @@ __all__ = [
     "flash_attention_redo",
     "flash_attention_redo_reference",
     "flash_attention_reference",
+    "flash_attention_with_redo",
+    "flash_attention_with_redo_reference",
     "flash_bounds",
     "flash_supported",
     "redo_flags",
@@ -344,7 +346,7 @@ def _kernel_call(
     checks, the two ratio rows.
 
     ``redo`` (with checks, no injection): (flags, out, lse, r_qk, r_pv, gated), flags (B, H,
-    T / (2 block_q)) int32 and the rest mutable refs (``jax.new_ref``) the kernel updates in place:
+    T / (2 block_q)) int32 and the rest refs (``_in_place``) the kernel updates in place:
     a CTA whose flag is 0 exits after reading it, one whose flag is set computes its rows afresh and
     writes them over the refs, with ``gate`` = (fill, limit) applied to its bf16 output values
     (non-finite or beyond the limit replaced by fill, counted per row into ``gated``). Returns
@@ -649,8 +651,8 @@ def _kernel_call(
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
     params = plgpu.CompilerParams(approx_math=True)
     if redo is not None:
-        # Mutable refs are aliased in and out of the kernel: what a skipped CTA does not write keeps
-        # the first pass's values, with no copy.
+        # Refs are aliased in and out of the kernel: what a skipped CTA does not write keeps the
+        # first pass's values, with no copy.
         mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg")
         pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(q, k, v, *extras, *redo)
         return None
@@ -794,8 +796,8 @@ def _check_redo(q, flags, out, lse, checks, cfg: FlashConfig, name: str) -> None
 
 def _fold_vmap(fn):
     """``fn(*arrays)`` -> tuple of arrays, every operand and result with the batch on axis 0 and its
-    rows independent, made vmappable by folding the vmapped axis into the batch (the redo's mutable
-    refs have no batching rule of their own)."""
+    rows independent, made vmappable by folding the vmapped axis into the batch (a Mosaic kernel
+    given refs, as the redo's are, has no batching rule of its own)."""
 
     @jax.custom_batching.custom_vmap
     def folded(*xs):
@@ -812,20 +814,101 @@ def _fold_vmap(fn):
     return folded
 
 
+def _in_place(kernel, values: tuple) -> tuple:
+    """``kernel(*refs)`` on refs holding ``values``, the values it leaves in them returned: a Pallas
+    kernel given refs updates them in place (aliased in and out, no copy). Through ``run_state``
+    rather than ``jax.new_ref``: the refs stay inside it, so the call is a plain function of arrays
+    to every transformation around it (jax 0.10 could not lower a ``new_ref`` inside
+    ``_fold_vmap``'s ``custom_vmap``, nor vmap one inside a ``custom_vjp``)."""
+    from jax.experimental import pallas as pl
+
+    return tuple(pl.run_state(lambda refs: kernel(*refs))(tuple(values)))
+
+
 @functools.cache
-def _redo_fn(causal: bool, scale: float, lam: float, gate: tuple[float, float] | None, cfg: FlashConfig):
-    def run(q, k, v, flags, out, lse, r_qk, r_pv):
-        refs = [jax.new_ref(x) for x in (out, lse, r_qk, r_pv)]
-        gated = [jax.new_ref(jnp.zeros(lse.shape, jnp.float32))] if gate is not None else []
-        extras = flash_bounds(k, v, lam=lam, config=cfg)
-        _kernel_call(
-            q, k, v, extras, causal=causal, scale=scale, checks=True, inject=False, cfg=cfg,
-            redo=(flags.astype(jnp.int32), *refs, *gated), gate=gate,
-        )  # fmt: skip
-        counts = gated[0][...] if gated else jnp.zeros(lse.shape, jnp.float32)
-        return (*(r[...] for r in refs), counts)
+def _redo_fn(causal: bool, scale: float, gate: tuple[float, float] | None, cfg: FlashConfig):
+    """The redo's launch as a jitted, vmappable function of arrays: (q, k, v, flags, out, lse, r_qk,
+    r_pv, ks, vs, km) -> (out, lse, r_qk, r_pv, gated f32), the bounds' tiles given (the first
+    pass's: :func:`flash_bounds`)."""
+
+    def run(q, k, v, flags, out, lse, r_qk, r_pv, *bounds):
+        kw = dict(causal=causal, scale=scale, checks=True, inject=False, cfg=cfg, gate=gate)
+        kernel = lambda *refs: _kernel_call(q, k, v, bounds, redo=(flags.astype(jnp.int32), *refs), **kw)
+        zeros = jnp.zeros(lse.shape, jnp.float32)
+        res = _in_place(kernel, (out, lse, r_qk, r_pv) + ((zeros,) if gate is not None else ()))
+        return res if gate is not None else (*res, zeros)
 
     return jax.jit(_fold_vmap(run))
+
+
+def _gate_spec(gate) -> tuple[float, float] | None:
+    return None if gate is None else (float(gate[0]), float(gate[1]))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "gate", "config"))
+def flash_attention_with_redo(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    faults: FlashFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    gate: tuple[float, float] | None = None,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks, FlashChecks, Int32[Array, "b h t"]]:
+    """:func:`flash_attention` (``faults`` injected there), then :func:`flash_attention_redo` over
+    the CTAs whose rows failed a check, the two passes sharing the bounds' tiles (one read of k and
+    v). Returns ``(out, lse, first, checks, gated)``: the first pass's ratios and the final ones (a
+    redone row that fails again says so there), and the gate's counts of the redone rows. What the
+    attention core runs by default on a Hopper GPU; :func:`flash_attention_with_redo_reference` is
+    the same through XLA."""
+    cfg = config or FlashConfig()
+    _check_inputs(q, k, v, causal, cfg)
+    if q.dtype != jnp.bfloat16:
+        raise TypeError(
+            f"pimlayers.flash_attention_with_redo: q, k, v have dtype {q.dtype}; expected bfloat16"
+        )
+    if faults is not None:
+        _check_faults(q, faults)
+    if not hopper():
+        raise NotImplementedError(
+            "pimlayers.flash_attention_with_redo runs on a Hopper GPU (sm_90) only; "
+            "flash_attention_with_redo_reference is the same computation through XLA"
+        )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    bounds = flash_bounds(k, v, lam=lam, config=cfg)
+    extras = bounds + (() if faults is None else tuple(a.astype(jnp.int32) for a in faults))
+    kw = dict(causal=causal, scale=scale, checks=True, cfg=cfg)
+    out, lse, r_qk, r_pv = _kernel_call(q, k, v, extras, inject=faults is not None, **kw)
+    first = FlashChecks(r_qk, r_pv)
+    run = _redo_fn(causal, scale, _gate_spec(gate), cfg)
+    out, lse, r_qk, r_pv, gated = run(q, k, v, redo_flags(first, cfg), out, lse, r_qk, r_pv, *bounds)
+    return out, lse, first, FlashChecks(r_qk, r_pv), gated.astype(jnp.int32)
+
+
+def flash_attention_with_redo_reference(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b s kv d"],
+    v: Float[Array, "b s kv d"],
+    faults: FlashFaults | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    lam: float = 8.0,
+    gate: tuple[float, float] | None = None,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "b t h d"], Float[Array, "b h t"], FlashChecks, FlashChecks, Int32[Array, "b h t"]]:
+    """:func:`flash_attention_with_redo` through XLA (any backend): :func:`flash_attention_reference`
+    with ``faults``, then :func:`flash_attention_redo_reference`. For tests and the layers'
+    reference path."""
+    kw = dict(causal=causal, scale=scale, lam=lam, config=config)
+    out, lse, first = flash_attention_reference(q, k, v, faults, **kw)
+    out, lse, checks, gated = flash_attention_redo_reference(
+        q, k, v, redo_flags(first, config), out, lse, first, gate=gate, **kw
+    )
+    return out, lse, first, checks, gated
 
 
 def flash_attention_redo(
@@ -866,9 +949,9 @@ def flash_attention_redo(
             "flash_attention_redo_reference is the same computation through XLA"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    gate = None if gate is None else (float(gate[0]), float(gate[1]))
-    run = _redo_fn(causal, scale, float(lam), gate, cfg)
-    out, lse, r_qk, r_pv, gated = run(q, k, v, flags, out, lse, checks.scores, checks.out)
+    run = _redo_fn(causal, scale, _gate_spec(gate), cfg)
+    bounds = flash_bounds(k, v, lam=lam, config=cfg)
+    out, lse, r_qk, r_pv, gated = run(q, k, v, flags, out, lse, checks.scores, checks.out, *bounds)
     return out, lse, FlashChecks(r_qk, r_pv), gated.astype(jnp.int32)
 
 

@@ -78,6 +78,7 @@ from ._flash import (
     _c_block,
     _flip,
     _fold_vmap,
+    _in_place,
     _load,
     _ratio,
     _split,
@@ -408,7 +409,7 @@ def _scoped(pl, plgpu, kernel, refs, smem, bars, stages: int, flag_at: int | Non
 
 def _launch(plgpu, entry, out_type, grid, seq_axis: str, redo: tuple | None = None):
     """The kernel over (heads, blocks of two warpgroups' rows, batch), three warpgroups per CTA.
-    ``redo``: (flags, then a mutable ref per output): the kernel returns nothing and updates the
+    ``redo``: (flags, then a ref per output): the kernel returns nothing and updates the
     refs in place (aliased in and out), after its inputs and the flags (``_scoped``'s flag_at)."""
     if redo is not None:
         import jax.experimental.pallas as pl
@@ -435,7 +436,7 @@ def _dq_call(
     """dq (and the query-row checks). rows: lse2, δ, then with checks tol_s, tol_dp, all (B, H, T)
     f32; tiles: ks, vs, kd; flips: {gemm: (bit, col)} for scores, dp, dq; c_sum: the dq check's
     factor (times Σ |ds|·‖k‖₁, measured). ``redo``: (flags (B, H, T / (2 block_q)) int32, then
-    mutable refs of dq and the three ratio rows): only flagged CTAs run, writing over the refs;
+    refs of dq and the three ratio rows): only flagged CTAs run, writing over the refs;
     returns None."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -816,18 +817,19 @@ def _bwd(q, k, v, out, lse, dout, faults, causal, scale, lam, checks: bool, conf
     q_in, k_in = (q_rows, q_tiles), (k_rows, k_tiles)
 
     def again(q, k, v, dout, lse2, delta, flags_q, flags_k, *rest):
-        """The redo's two launches on mutable refs of the first pass's results (batch on axis 0
-        everywhere, so a vmap folds into the batch: ``_fold_vmap``)."""
+        """The redo's two launches on refs of the first pass's results (batch on axis 0 everywhere,
+        so a vmap folds into the batch: ``_fold_vmap``)."""
         ins, res = rest[: len(q_in_flat)], rest[len(q_in_flat) :]
         (q_rows, q_tiles), (k_rows, k_tiles) = jax.tree.unflatten(in_tree, ins)
-        refs = [jax.new_ref(x) for x in res]  # dq, dk, dv, then the seven ratio rows
-        dq_r, dk_r, dv_r, rs, rdp, rdq, rst, rdpt, rdv, rdk = refs
-        _dq_call(q, k, v, dout, q_rows, q_tiles, {}, c_sum=c_dq, redo=(flags_q, dq_r, rs, rdp, rdq), **kw)
-        dkv_call(
-            q, k, v, dout, lse2, delta, k_rows, k_tiles, {}, c_sum=c_kv, c_dq=c_dq,
-            redo=(flags_k, dk_r, dv_r, rst, rdpt, rdv, rdk), **kw,
-        )  # fmt: skip
-        return tuple(r[...] for r in refs)
+
+        def kernels(dq_r, dk_r, dv_r, rs, rdp, rdq, rst, rdpt, rdv, rdk):
+            _dq_call(q, k, v, dout, q_rows, q_tiles, {}, c_sum=c_dq, redo=(flags_q, dq_r, rs, rdp, rdq), **kw)
+            dkv_call(
+                q, k, v, dout, lse2, delta, k_rows, k_tiles, {}, c_sum=c_kv, c_dq=c_dq,
+                redo=(flags_k, dk_r, dv_r, rst, rdpt, rdv, rdk), **kw,
+            )  # fmt: skip
+
+        return _in_place(kernels, res)  # dq, dk, dv, then the seven ratio rows
 
     q_in_flat, in_tree = jax.tree.flatten((q_in, k_in))
     dq, dk, dv, *final = _fold_vmap(again)(

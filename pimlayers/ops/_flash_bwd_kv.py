@@ -74,7 +74,7 @@ def dkv_call(
     scores_t, dp_t, dv, dk (fused: and dq, flipped on the accumulated dq before its check); c_sum:
     the dv and dk checks' factor (times Σ p·‖do‖₁ and Σ_i Σ |ds|·max ‖q‖₁, measured); c_dq: the dq
     check's (times Σ |ds|·‖k‖₁, measured). ``redo`` (two kernels only): (flags (B, KV,
-    S / (2 block_kv)) int32, then mutable refs of dk, dv and the four ratio rows): only flagged CTAs
+    S / (2 block_kv)) int32, then refs of dk, dv and the four ratio rows): only flagged CTAs
     run, writing over the refs; returns None."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
