@@ -312,6 +312,17 @@ def test_redo_reference_rewrites_the_flagged_blocks_alone():
     assert int(np.sum(gated)) == 0
 
 
+def test_with_redo_reference_corrects_the_first_pass():
+    q, k, v = _qkv(t=384, seed=14)
+    faults = _faults([("scores", 1, 2, 100, 30, 7), ("out", 0, 3, 300, 30, 5)], t=384)
+    out, lse, first, final, gated = jax.jit(ops.flash_attention_with_redo_reference)(q, k, v, faults)
+    assert _flagged(first.scores) == {(1, 2, 100)} and _flagged(first.out) >= {(0, 3, 300)}
+    assert not _flagged(final.scores) and not _flagged(final.out) and int(np.sum(gated)) == 0
+    clean, lse0, _ = _reference(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
+
+
 def test_redo_reference_gates_the_rows_it_rewrites():
     q, k, v = _qkv(seed=12)
     q = q.at[1, 5, 3].set(jnp.nan).at[0, 200, 0].set(jnp.nan)

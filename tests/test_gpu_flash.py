@@ -238,3 +238,20 @@ def test_attention_core_device_redo_reports_as_the_loop(hopper):
     assert {**rd, "gemm_recomputed": 0} == {**r2.to_dict(), "gemm_recomputed": 0}
     for o in (o1, o2):
         np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(clean, np.float32))
+
+
+def test_with_redo_shares_the_bounds_and_equals_the_clean_kernel(hopper):
+    """The layer's op: first pass with faults, then the redo on the same bounds; its output is the
+    fault-free kernel's bit for bit, its first checks flag the faults and its final ones pass."""
+    b, t, h, kv, d = 2, 384, 4, 2, 128
+    q, k, v = _qkv(b, t, h, kv, d, seed=12)
+    faults = flash_faults([("scores", 1, 2, 100, 30, 7), ("out", 0, 3, 300, 30, 5)], b, h, t)
+    out, lse, first, final, gated = ops.flash_attention_with_redo(q, k, v, faults, gate=(0.0, float("inf")))
+    assert _flagged(first.scores) == {(1, 2, 100)} and _flagged(first.out) >= {(0, 3, 300)}
+    assert not _flagged(final.scores) and not _flagged(final.out)
+    assert int(np.sum(np.asarray(gated))) == 0
+    clean, lse0, _ = ops.flash_attention(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
+    ref = ops.flash_attention_with_redo_reference(q, k, v, faults, gate=(0.0, float("inf")))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref[0], np.float32), atol=1e-2)
