@@ -10,6 +10,7 @@ project's kernels use are not in it yet, and :func:`interpret` adds them while i
 * ``plgpu.wgmma`` with its A operand in registers (flash attention's p·v) or a transposed operand
   (k·qᵀ), on the host as the stock callback multiplies;
 * ``plgpu.load`` and layouts (``plgpu.layout_cast``: an interpreted value has no register layout);
+* a ref handed to a kernel (the device redo's outputs, updated in place): placed in global memory;
 * a barrier whose last phases a thread never waits for: the stock interpreter raises when such a
   barrier is freed, but a producer that stops refilling a pipeline's slots does exactly that on the
   hardware (it waits for a slot's release only to refill it), so the check is left out. Waiting for
@@ -257,6 +258,13 @@ def _free_barrier(barrier) -> None:
         barrier.ref_count -= 1
 
 
+def _gmem_or_unplaced(stock, space) -> bool:
+    """A kernel operand with no memory space is a ref handed to the kernel (the device redo's, from
+    ``run_state``): it lives in global memory, as on the hardware, where the stock interpreter
+    tried to allocate it in a memory space named None."""
+    return space is None or stock(space)
+
+
 @contextlib.contextmanager
 def interpret(**params):
     """Run Mosaic-GPU kernels traced inside the block through the extended interpreter on the CPU.
@@ -265,11 +273,13 @@ def interpret(**params):
     if not AVAILABLE:
         raise RuntimeError("this jax has no Pallas GPU interpreter")
     cls = ji.JaxprInterpreter
-    stock = cls.interpret, cls._interpret_wgmma_ref_p, gpu_memory.Barrier.deallocate
+    stock = cls.interpret, cls._interpret_wgmma_ref_p, gpu_memory.Barrier.deallocate, cb.is_gmem_memory_space
     cls.interpret, cls._interpret_wgmma_ref_p = _interpret(stock[0]), _wgmma
     gpu_memory.Barrier.deallocate = _free_barrier
+    cb.is_gmem_memory_space = functools.partial(_gmem_or_unplaced, stock[3])
     try:
         with force_gpu_interpret_mode(InterpretGPUParams(**params)):
             yield
     finally:
-        cls.interpret, cls._interpret_wgmma_ref_p, gpu_memory.Barrier.deallocate = stock
+        cls.interpret, cls._interpret_wgmma_ref_p = stock[:2]
+        gpu_memory.Barrier.deallocate, cb.is_gmem_memory_space = stock[2:]

@@ -4,10 +4,12 @@ race detector over the pipelines' shared-memory buffers.
 
 What this covers that the CPU suite did not: the kernels' indexing, causal masking, GQA grouping,
 TMA pipelining and barriers, their in-kernel checksums, bounds and fault injection, against the
-same XLA references the GPU tests use. What it cannot: speed, asynchronous wgmma, the hardware's
-approximate exp2 and its own races (``compute-sanitizer`` on a GPU). Not interpreted yet: the
-opt-in fused backward kernel (``FlashBwdConfig(fused=True)``: its accumulators are mutable refs
-passed into the kernel, which the interpreter cannot place) and the Triton bounds kernels, the
+same XLA references the GPU tests use, and the device redo's kernels (refs handed to a kernel and
+updated in place: ``mgpu_interpret`` places them in global memory). What it cannot: speed,
+asynchronous wgmma, the hardware's approximate exp2 and its own races (``compute-sanitizer`` on a
+GPU). Not interpreted yet: the opt-in fused backward kernel (``FlashBwdConfig(fused=True)``: it
+accumulates dq by TMA reduce-adds, which the interpreter does not support, "reduction_op not
+supported") and the Triton bounds kernels, the
 attention's default on a GPU, which the GPU interpreter cannot run (Pallas' own interpreter runs
 those, ``test_flash.py``): here the bounds are XLA's (``PIMLAYERS_BOUNDS_KERNEL=0``).
 
@@ -129,6 +131,31 @@ def test_pipelines_have_no_races(interpreted):
         assert races.reads and not races.races_found
 
 
+REDO_FWD, REDO_BWD = (1, 256, 4, 2, 64, False), (1, 256, 4, 2, 64, True)  # two CTAs a head
+
+
+@in_process
+@pytest.mark.parametrize("shape", [REDO_FWD, (1, 256, 4, 2, 128, True)])
+def test_forward_redo_rewrites_the_flagged_blocks_alone(interpreted, shape):
+    gpu_fwd.test_redo_kernel_rewrites_the_flagged_blocks_alone(None, shape)
+
+
+@in_process
+def test_forward_redo_gates_its_rows(interpreted):
+    gpu_fwd.test_redo_kernel_gates_its_rows(None)
+
+
+@in_process
+def test_forward_with_redo_equals_the_clean_kernel(interpreted):
+    gpu_fwd.test_with_redo_shares_the_bounds_and_equals_the_clean_kernel(None)
+
+
+@in_process
+@pytest.mark.parametrize("shape", [REDO_BWD, (1, 256, 4, 2, 128, False)])
+def test_backward_redo_recomputes_the_flagged_blocks(interpreted, shape):
+    gpu_bwd.test_bwd_redo_recomputes_the_flagged_blocks(None, shape)
+
+
 BWD = (1, 128, 4, 2, 64, True)  # GQA groups of two, causal, two key blocks per CTA
 CASES = {  # the default run's cases, each in a fresh process
     "forward": lambda: test_forward_kernel_matches_the_reference(None, FWD_SHAPES[1], ops.FlashConfig()),
@@ -138,6 +165,9 @@ CASES = {  # the default run's cases, each in a fresh process
     "backward-flags-scores": lambda: test_backward_kernels_flag_the_flipped_rows(None, "scores"),
     "fused-gemm": lambda: test_fused_gemm_kernel_matches_the_reference(None, (256, 64, 256)),
     "races": lambda: test_pipelines_have_no_races(None),
+    # The device redo: only flagged CTAs rewritten, bit for bit the fault-free kernels' rows.
+    "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(None, REDO_FWD),
+    "redo-backward": lambda: test_backward_redo_recomputes_the_flagged_blocks(None, REDO_BWD),
 }
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
