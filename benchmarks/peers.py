@@ -116,8 +116,8 @@ def _dev_ms(fn, args, calls: int = 3) -> float:
 
 
 def _idle_cols(name: str, fn, args) -> dict:
-    """For the attention core's rows on a GPU: the device's idle time inside one call
-    (``idle_ms``, median over back-to-back calls), between calls (``between_ms``), and the three
+    """For the attention core's rows on a GPU: the device's span and idle time inside one call
+    (``span_ms``, ``idle_ms``, medians over back-to-back calls), between calls (``between_ms``), and the three
     longest waits inside a call (``idle_top``: "kernel before > kernel after µs"): whether a row's
     wall clock over its kernels' time is the device waiting inside the program (a loop's predicate
     read on the host) or not. On an H100 (2026-12-05) the core's forward+backward with the device
@@ -134,7 +134,9 @@ def _idle_cols(name: str, fn, args) -> dict:
     if idle is None:
         return {}
     top = "; ".join(f"{a[:40]} > {b[:40]} {us:.0f}" for (a, b), us in idle.gaps.most_common(3))
-    return dict(idle_ms=idle.idle_us / 1e3, between_ms=idle.between_us / 1e3, idle_top=top)
+    return dict(
+        span_ms=idle.span_us / 1e3, idle_ms=idle.idle_us / 1e3, between_ms=idle.between_us / 1e3, idle_top=top
+    )
 
 
 def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["d"]) -> list[dict]:

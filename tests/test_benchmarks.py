@@ -1299,5 +1299,6 @@ def test_peers_idle_columns_name_the_longest_waits(monkeypatch):
     assert peers._idle_cols(core, None, ()) == {}  # a CPU: no device timeline
     monkeypatch.setattr(peers, "_device_timeline", lambda: True)
     cols = peers._idle_cols(core, None, ())
-    assert cols == dict(idle_ms=0.3, between_ms=0.012, idle_top="redo > dq 200; flash_fwd > redo 30; c > d 5")
+    top = "redo > dq 200; flash_fwd > redo 30; c > d 5"
+    assert cols == dict(span_ms=5.0, idle_ms=0.3, between_ms=0.012, idle_top=top)
     assert peers._idle_cols("cuDNN flash attention", None, ()) == {}

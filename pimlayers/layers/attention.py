@@ -50,8 +50,6 @@ from ..ops import (
     gate,
     protected_bmm,
     protected_bmm_grads,
-    redo_flags,
-    redo_flags_bwd,
     zero_tap,
 )
 from ..ops._flash_bwd import bwd_gemms
@@ -397,9 +395,10 @@ def _flash_forward_redo(
 
     out, lse, s1, o1, s2, o2, gated = _per_batch(call, q, k, v, *(ff or ()))
     first, final = FlashChecks(s1, o1), FlashChecks(s2, o2)
-    detected = jnp.sum(groups(first), dtype=jnp.int32)
+    failed = groups(first)  # (2, B, KV): a group with a failing row is one whose CTAs were redone
+    detected = jnp.sum(failed, dtype=jnp.int32)
     still = jnp.sum(groups(final), dtype=jnp.int32)
-    redone = jnp.sum(jnp.any(redo_flags(first).reshape(b, kvh, -1) != 0, axis=-1), dtype=jnp.int32)
+    redone = jnp.sum(jnp.any(failed, axis=0), dtype=jnp.int32)
     report = FaultReport(
         gemm_checked=2 * b * kvh,
         gemm_detected=detected,
@@ -458,15 +457,17 @@ def _flash_backward_redo(
 
     dq, dk, dv, *ch = _per_batch(call, q, k, v, out, lse, dout, *leaves)
     first, final = FlashBwdChecks(*ch[:7]), FlashBwdChecks(*ch[7:])
-    detected = jnp.sum(_failing(list(first), b, kvh), dtype=jnp.int32)
+    # (7, B, KV), the dq kernel's three GEMMs first: a group with a failing row in a kernel's GEMMs
+    # is one whose CTAs that kernel redid.
+    failed = _failing(list(first), b, kvh)
+    detected = jnp.sum(failed, dtype=jnp.int32)
     still = jnp.sum(_failing(list(final), b, kvh), dtype=jnp.int32)
-    flags_q, flags_k = redo_flags_bwd(first)
-    redone = lambda f: jnp.sum(jnp.any(f.reshape(b, kvh, -1) != 0, axis=-1), dtype=jnp.int32)
+    redone = lambda f: jnp.sum(jnp.any(f, axis=0), dtype=jnp.int32)
     report = FaultReport(
         gemm_checked=7 * b * kvh,
         gemm_detected=detected,
         gemm_corrected=detected - still,
-        gemm_recomputed=3 * redone(flags_q) + 4 * redone(flags_k),
+        gemm_recomputed=3 * redone(failed[:3]) + 4 * redone(failed[3:]),
         gemm_uncorrectable=still,
     )
     return (dq, dk, dv), report
