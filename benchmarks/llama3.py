@@ -39,6 +39,7 @@ def run(
     no_recompute: bool = False,
     remat_policy: str = "gemms",
     loop: bool = False,
+    plain_checks: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -56,7 +57,10 @@ def run(
     predicates the host reads (the default before 2026-12-05; on a CPU the default is that loop).
     ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" (the default,
     like the dot-saving peer the goal names) keeps the linear layers' products for the backward pass;
-    "full" recomputes them (the training script's default: less memory)."""
+    "full" recomputes them (the training script's default: less memory). ``plain_checks`` adds a
+    protected step with ``FaultPolicy(weighted_checks=False, locate=False)``: every GEMM checked
+    against its plain checksums alone (4 check columns per 128-column block on a GPU instead of 7),
+    every detected block recomputed."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -66,20 +70,22 @@ def run(
     # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
     # without recompute), with ``loop`` on with the recompute loops (recompute_kernel None:
     # the policy's default, the device kernel where a GPU runs it).
-    configs = [(False, False, "auto", None, True, None)]
-    configs += [(False, False, "on", None, True, None)] if cudnn_peer else []
-    configs += [(True, False, "auto", None, True, None)]
-    configs += [(True, True, "auto", None, True, None)] if fused else []
-    configs += [(True, False, "auto", redo_blocks, True, None)] if redo_blocks else []
-    configs += [(True, False, "auto", None, True, False)] if loop else []
-    configs += [(True, False, "auto", None, False, None)] if no_recompute else []
-    configs += [(True, True, "auto", None, False, None)] if no_recompute and fused else []
-    for protect, fz, flash, rb, redo, kernel in configs:
+    # The last field: the position-weighted checks (False: ``plain_checks``).
+    configs = [(False, False, "auto", None, True, None, True)]
+    configs += [(False, False, "on", None, True, None, True)] if cudnn_peer else []
+    configs += [(True, False, "auto", None, True, None, True)]
+    configs += [(True, True, "auto", None, True, None, True)] if fused else []
+    configs += [(True, False, "auto", redo_blocks, True, None, True)] if redo_blocks else []
+    configs += [(True, False, "auto", None, True, False, True)] if loop else []
+    configs += [(True, False, "auto", None, False, None, True)] if no_recompute else []
+    configs += [(True, True, "auto", None, False, None, True)] if no_recompute and fused else []
+    configs += [(True, False, "auto", None, True, None, False)] if plain_checks else []
+    for protect, fz, flash, rb, redo, kernel, weighted in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(
                 layers, steps, n, seq, config, dtype, flip_every, remat_policy, tmp,
                 protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
-                recompute_kernel=kernel,
+                recompute_kernel=kernel, weighted_checks=weighted,
             )  # fmt: skip
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
@@ -89,6 +95,7 @@ def run(
                 "protect": protect,
                 "fused": fz if protect else None,
                 "recompute": _recompute_label(rb, redo, kernel) if protect else None,
+                "checks": ("c1, c2" if weighted else "c1 only") if protect else None,
                 "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -143,6 +150,7 @@ def step_config(
     recompute_blocks: int | None = None,
     recompute: bool = True,
     recompute_kernel: bool | None = None,
+    weighted_checks: bool = True,
 ) -> TrainConfig:
     """The training script's configuration for one of the suite's steps (one sequence per device;
     protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
@@ -166,6 +174,8 @@ def step_config(
         recompute_blocks=recompute_blocks,
         recompute=recompute,
         recompute_kernel=recompute_kernel,
+        locate=weighted_checks,  # nothing to locate with without c2
+        weighted_checks=weighted_checks,
         flash=flash,
         flip_every=flip_every if protect else 0,
         gemm_fault_rate=0.2 if protect else 0.0,

@@ -12,7 +12,10 @@ loop, alternating as ``ratio``. ``fused`` is ``FaultPolicy(fused=True)`` (on a H
 runs the fused kernel, whose epilogue forms the checked sums, its detected tiles redone on the
 device kernel), timed in the same run at 128-column blocks on a Hopper GPU only. Files before
 2026-12-05's ``s40`` run: ``protected`` was the loop, ``kernel`` the device redo and
-``fused_redo_kernel`` the fused GEMM with it.
+``fused_redo_kernel`` the fused GEMM with it. ``c1_only`` is ``FaultPolicy(weighted_checks=False,
+locate=False)`` (the plain checksums alone: 4 check columns per 128-column block on a GPU instead of
+7; every detected block recomputed), timed where the checks are XLA's GEMMs (not a CPU-only process,
+whose native checks form both).
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ import numpy as np
 
 from pimlayers import FaultPolicy, native_info, ops
 from pimlayers.faults import GemmFaults
-from pimlayers.ops._abft import WeightChecksums, encode_transposed_gemm, pair_applies
+from pimlayers.ops._abft import (
+    WeightChecksums,
+    checks_native_everywhere,
+    encode_transposed_gemm,
+    pair_applies,
+)
 from pimlayers.ops._checks_kernel import checks_kernel, checks_kernel_applies
 from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
 from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
@@ -101,9 +109,14 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
             mode: (a, _asking_for_checks_kernel(b), c, d)
             for mode, (a, b, c, d) in pairs(m, k, n, dtype, policy).items()
         }
+    # FaultPolicy(weighted_checks=False): the plain checksums alone (fewer check columns), where the
+    # checks are XLA's GEMMs (a GPU); the native CPU checks form both either way.
+    with_c1 = policy.block_n is not None and _c1_checks_timed()
+    c1_policy = policy.replace(weighted_checks=False, locate=False)
+    c1 = pairs(m, k, n, dtype, c1_policy) if with_c1 else None
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
-    others = [c["fwd"][1] for c in (fused, loop, ck) if c is not None]
+    others = [c["fwd"][1] for c in (fused, loop, ck, c1) if c is not None]
     for f in (prot, *others):
         y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
@@ -113,6 +126,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         _check_redo(policy, args_q, y0, f"{k}->{n}")
         if with_fused:
             _check_redo(policy.replace(fused=True), args_q, y0, f"fused {k}->{n}")
+        if with_c1:
+            _check_redo(c1_policy, args_q, y0, f"plain checks {k}->{n}")
     flops = 2.0 * m * k * n
     t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
     extra = {}
@@ -123,6 +138,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra |= _pair_cols(plain, args_p, loop["fwd"][1], args_q, "loop")
     if with_ck:
         extra |= _pair_cols(plain, args_p, ck["fwd"][1], args_q, "checks_kernel")
+    if with_c1:
+        extra |= _pair_cols(plain, args_p, c1["fwd"][1], args_q, "c1_only")
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
@@ -148,8 +165,16 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     if with_ck:
         extra |= _pair_cols(plain_g, args_p, ck["fwd+bwd"][1], args_q, "checks_kernel")
         extra["checks_kernel_grad_diff"] = ck_gerr
+    if with_c1:
+        extra |= _pair_cols(plain_g, args_p, c1["fwd+bwd"][1], args_q, "c1_only")
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
+
+
+def _c1_checks_timed() -> bool:
+    """Whether the checks are XLA's GEMMs here (not the native CPU pass, which forms c2 anyway), so
+    that dropping c2 changes what runs: the ``c1_only`` columns."""
+    return not checks_native_everywhere()
 
 
 def _redo_kernel_timed(dtype, policy: FaultPolicy) -> bool:

@@ -13,6 +13,8 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --redo-blocks 32 --
                                                      # also branch-free recompute, and none
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --loop --no-recompute
                                                      # also the GEMMs' recompute loop, and none
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --plain-checks
+                                                     # also with the plain checksums alone
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
@@ -109,6 +111,12 @@ def main() -> None:
         help="llama3: also protected with FaultPolicy(recompute=False) (skip what a check cannot locate)",
     )
     ap.add_argument(
+        "--plain-checks",
+        action="store_true",
+        help="llama3: also protected with FaultPolicy(weighted_checks=False, locate=False) (the plain "
+        "checksums alone: 4 check columns per 128-column block on a GPU instead of 7)",
+    )
+    ap.add_argument(
         "--remat-policy",
         choices=sorted(REMAT_POLICIES),
         default="gemms",
@@ -172,6 +180,7 @@ def main() -> None:
                 no_recompute=args.no_recompute,
                 remat_policy=args.remat_policy,
                 loop=args.loop,
+                plain_checks=args.plain_checks,
             ),
         ),
     ):

@@ -572,7 +572,7 @@ ffi::Error AbftEncodeCpu(ffi::ThreadPool pool, ffi::AnyBuffer w, int64_t block_n
 
 ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer checks,
                         ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
-                        bool correct, ffi::Result<ffi::AnyBuffer> y_out,
+                        bool correct, bool weighted, ffi::Result<ffi::AnyBuffer> y_out,
                         ffi::Result<ffi::AnyBuffer> flags) {
   FloatKind kind;
   int64_t rows, n_all, nb;
@@ -598,16 +598,16 @@ ffi::Error AbftCheckCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer c
             nb,
             nb,
             0};
-  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{false, 0, 0},
-             isa == CpuIsa::kAvx512, &pool);
+  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct, weighted},
+             GateSpec{false, 0, 0}, isa == CpuIsa::kAvx512, &pool);
   return ffi::Error::Success();
 }
 
 ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer checks,
                          ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
-                         bool correct, bool gate, float fill, float limit, int64_t block_offset,
-                         ffi::Result<ffi::AnyBuffer> y_out, ffi::Result<ffi::AnyBuffer> flags,
-                         ffi::Result<ffi::AnyBuffer> counts) {
+                         bool correct, bool weighted, bool gate, float fill, float limit,
+                         int64_t block_offset, ffi::Result<ffi::AnyBuffer> y_out,
+                         ffi::Result<ffi::AnyBuffer> flags, ffi::Result<ffi::AnyBuffer> counts) {
   FloatKind kind, out_kind;
   int64_t rows, n_all, nb, ld;
   if (auto e = CheckAbftShapes(y, checks, mag, block_n, k, std::nullopt, *flags, &kind, &rows,
@@ -631,8 +631,8 @@ ffi::Error AbftFinishCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer 
             nb,
             ld,
             block_offset};
-  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct}, GateSpec{gate, fill, limit},
-             isa == CpuIsa::kAvx512, &pool);
+  RunAbftCpu(io, AbftParams{k, u, lam, StorageRoundoff(kind), correct, weighted},
+             GateSpec{gate, fill, limit}, isa == CpuIsa::kAvx512, &pool);
   return ffi::Error::Success();
 }
 
@@ -650,6 +650,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftCheckCpu, pimlayers::AbftCheckCpu,
                                   .Attr<float>("unit_roundoff")  // u of the accumulation
                                   .Attr<float>("lam")            // safety factor of the bound
                                   .Attr<bool>("correct")         // rebuild located errors
+                                  .Attr<bool>("weighted")        // c2 formed: r2 checked too
                                   .Ret<xla::ffi::AnyBuffer>()    // y_out: like y (aliases y)
                                   .Ret<xla::ffi::AnyBuffer>());  // flags: (..., M, nb) int32
 
@@ -664,6 +665,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCpu, pimlayers::AbftFinishCpu,
                                   .Attr<float>("unit_roundoff")   // u of the accumulation
                                   .Attr<float>("lam")             // safety factor of the bound
                                   .Attr<bool>("correct")          // rebuild located errors
+                                  .Attr<bool>("weighted")         // c2 formed: r2 checked too
                                   .Attr<bool>("gate")             // insulation gate on the output
                                   .Attr<float>("fill")            // what the gate writes
                                   .Attr<float>("limit")           // |y| > limit is gated too

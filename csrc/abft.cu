@@ -456,8 +456,9 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
         const float b1 = coef * mag[u] + p.u_y * sa + floor;
         const double r1 = static_cast<double>(s1) - c[u].x;
         const double r2 = static_cast<double>(s2) + static_cast<double>(s1) - c[u].y;
-        rare = !(IsFiniteF(c[u].x) && IsFiniteF(c[u].y) && IsFiniteF(mag[u]) && fabs(r1) <= b1 &&
-                 fabs(r2) <= 128.0 * b1);
+        // Without c2 (p.weighted false) r1 alone decides; c[u].y is not read.
+        rare = !(IsFiniteF(c[u].x) && IsFiniteF(mag[u]) && fabs(r1) <= b1 &&
+                 (!p.weighted || (IsFiniteF(c[u].y) && fabs(r2) <= 128.0 * b1)));
       }
       if (!rare) {
         io.flags[t] = kAbftClean;
@@ -554,7 +555,7 @@ ffi::Error RunAbftCuda(cudaStream_t stream, const AbftIo& io, const AbftParams& 
 
 ffi::Error AbftCheckCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer checks,
                          ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
-                         bool correct, ffi::Result<ffi::AnyBuffer> y_out,
+                         bool correct, bool weighted, ffi::Result<ffi::AnyBuffer> y_out,
                          ffi::Result<ffi::AnyBuffer> flags) {
   FloatKind kind;
   int64_t rows, n_all, nb;
@@ -580,15 +581,15 @@ ffi::Error AbftCheckCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer c
             nb,
             nb,
             0};
-  return RunAbftCuda(stream, io, AbftParams{k, u, lam, StorageRoundoff(kind), correct},
+  return RunAbftCuda(stream, io, AbftParams{k, u, lam, StorageRoundoff(kind), correct, weighted},
                      GateSpec{false, 0, 0});
 }
 
 ffi::Error AbftFinishCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer checks,
                           ffi::AnyBuffer mag, int64_t block_n, int64_t k, float u, float lam,
-                          bool correct, bool gate, float fill, float limit, int64_t block_offset,
-                          ffi::Result<ffi::AnyBuffer> y_out, ffi::Result<ffi::AnyBuffer> flags,
-                          ffi::Result<ffi::AnyBuffer> counts) {
+                          bool correct, bool weighted, bool gate, float fill, float limit,
+                          int64_t block_offset, ffi::Result<ffi::AnyBuffer> y_out,
+                          ffi::Result<ffi::AnyBuffer> flags, ffi::Result<ffi::AnyBuffer> counts) {
   FloatKind kind, out_kind;
   int64_t rows, n_all, nb, ld;
   if (auto e = CheckAbftShapes(y, checks, mag, block_n, k, std::nullopt, *flags, &kind, &rows,
@@ -611,7 +612,7 @@ ffi::Error AbftFinishCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer 
             nb,
             ld,
             block_offset};
-  return RunAbftCuda(stream, io, AbftParams{k, u, lam, StorageRoundoff(kind), correct},
+  return RunAbftCuda(stream, io, AbftParams{k, u, lam, StorageRoundoff(kind), correct, weighted},
                      GateSpec{gate, fill, limit});
 }
 
@@ -629,6 +630,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftCheckCuda, pimlayers::AbftCheckCuda,
                                   .Attr<float>("unit_roundoff")  // u of the accumulation
                                   .Attr<float>("lam")            // safety factor of the bound
                                   .Attr<bool>("correct")         // rebuild located errors
+                                  .Attr<bool>("weighted")        // c2 formed: r2 checked too
                                   .Ret<xla::ffi::AnyBuffer>()    // y_out: like y (aliases y)
                                   .Ret<xla::ffi::AnyBuffer>());  // flags: (..., M, nb) int32
 
@@ -643,6 +645,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAbftFinishCuda, pimlayers::AbftFinishCuda,
                                   .Attr<float>("unit_roundoff")   // u of the accumulation
                                   .Attr<float>("lam")             // safety factor of the bound
                                   .Attr<bool>("correct")          // rebuild located errors
+                                  .Attr<bool>("weighted")         // c2 formed: r2 checked too
                                   .Attr<bool>("gate")             // insulation gate on the output
                                   .Attr<float>("fill")            // what the gate writes
                                   .Attr<float>("limit")           // |y| > limit is gated too

@@ -12,7 +12,8 @@
 //     B1 = lam * u * (sqrt(K) + sqrt(n) + 2) * mag  +  u_y * sum_j |y_ij|
 // where the last term is the rounding of y to its storage dtype (0 for f32, 2^-8 for bf16).
 // Weights are at most n, so r2 is held to B2 = n * B1. A block is "detected" when |r1| > B1,
-// |r2| > B2, or it holds a non-finite value.
+// |r2| > B2, or it holds a non-finite value. Without c2 (AbftParams::weighted false) r1 alone
+// decides, and nothing is located.
 //
 // Location. One wrong value e at column j gives r1 = e + n1, r2 = (j+1) e + n2 with |n1| <= B1,
 // |n2| <= B2, so |r2/r1 - (j+1)| <= (B2 + n B1) / |r1| = 2 n B1 / |r1|: the rounded ratio names j
@@ -42,6 +43,10 @@ struct AbftParams {
   float lam;
   float u_y;
   bool correct;
+  // Whether c2 (the position-weighted checks) was formed. Without it (FaultPolicy(weighted_checks=
+  // False)) a block is judged on r1 alone and nothing is located: every detected block goes to the
+  // caller's recompute. c2 is not read (its slot may hold anything).
+  bool weighted;
 };
 
 // The bound's floor for subnormal values. A GEMM may flush subnormal operands or products to zero
@@ -77,16 +82,17 @@ PL_HD AbftDecision AbftDecide(double s1, double s2, double sum_abs, int64_t nonf
     double r1 = s1 - static_cast<double>(c1), r2 = s2 - static_cast<double>(c2);
     double tol = 2.0 * nd * b1 + 4.0 * nd * nd * fabs(r1) * 2.220446049250313e-16;
     bool single = fabs(r2 - static_cast<double>(nonfinite_loc + 1) * r1) <= tol;
-    if (nonfinite == 1 && p.correct && IsFiniteF(c1) && IsFiniteF(c2) && single) {
+    if (nonfinite == 1 && p.correct && p.weighted && IsFiniteF(c1) && IsFiniteF(c2) && single) {
       return {kAbftCorrected, nonfinite_loc};
     }
     return {kAbftDetected, -1};
   }
   double r1 = s1 - static_cast<double>(c1);
   double r2 = s2 - static_cast<double>(c2);
-  bool bad_inputs = !IsFiniteF(c1) || !IsFiniteF(c2) || !IsFiniteF(mag);
-  if (!bad_inputs && fabs(r1) <= b1 && fabs(r2) <= static_cast<double>(n) * b1) return d;
-  if (!p.correct || bad_inputs) return {kAbftDetected, -1};
+  bool bad_inputs = !IsFiniteF(c1) || (p.weighted && !IsFiniteF(c2)) || !IsFiniteF(mag);
+  bool within2 = !p.weighted || fabs(r2) <= static_cast<double>(n) * b1;
+  if (!bad_inputs && fabs(r1) <= b1 && within2) return d;
+  if (!p.correct || !p.weighted || bad_inputs) return {kAbftDetected, -1};
   double j = rint(r2 / r1) - 1.0;
   if (!(j >= 0.0 && j < static_cast<double>(n))) return {kAbftDetected, -1};
   // A rounded y's term u_y * sum |y| holds the wrong value's own magnitude, which would keep any

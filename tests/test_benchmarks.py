@@ -291,6 +291,19 @@ def test_shard_suite_checks_the_rebuild_against_the_original_bytes():
 
 
 @pytest.mark.slow
+def test_llama3_suite_plain_checks_configuration_drops_c2_and_location(tmp_path):
+    """``--plain-checks``: the step's policy checks the plain checksums alone, so it locates nothing
+    (its training configuration says both; the training script refuses one without the other)."""
+    from benchmarks import llama3
+
+    cfg = llama3.step_config(1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path), protect=True)
+    plain = llama3.step_config(
+        1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path), protect=True, weighted_checks=False
+    )
+    assert cfg.weighted_checks and cfg.locate
+    assert not plain.weighted_checks and not plain.locate
+
+
 def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books():
     import jax
 
@@ -716,6 +729,26 @@ def test_matmul_suite_checks_the_default_device_redo_repairs_and_times_the_loop(
     )
     with pytest.raises(AssertionError, match="redo check 128->256"):
         matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
+
+
+def test_matmul_suite_times_the_plain_checks_where_xla_forms_them(monkeypatch):
+    """As where the checks are XLA's GEMMs (a GPU): the plain-checksum policy is checked (no detection
+    on the clean product; with the device redo, two unlocatable errors in a block repaired) and timed
+    in its own ``c1_only`` columns; not at whole-row blocks."""
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+    from pimlayers import FaultPolicy
+    from pimlayers.ops import _redo_kernel
+
+    monkeypatch.setattr(matmul, "_c1_checks_timed", lambda: True)
+    monkeypatch.setattr(_redo_kernel, "redo_kernel_chosen", lambda p: p.recompute_blocks is None)
+    monkeypatch.setattr(matmul, "_redo_kernel_timed", lambda dtype, policy: True)
+    monkeypatch.setattr(matmul, "time_pair", lambda a, aa, b, ab: (1e-3, 2e-3, 0.5))
+    rows = matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
+    assert all(r["c1_only_ms"] == 2.0 and r["c1_only_ratio"] == 0.5 for r in rows)
+    rows = matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=None))
+    assert all("c1_only_ms" not in r for r in rows)
 
 
 def test_matmul_suite_times_the_checks_kernel_where_a_gpu_runs_it(monkeypatch):

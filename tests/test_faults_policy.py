@@ -28,7 +28,7 @@ def test_defaults_and_properties():
         8.0,
         128,
     )
-    assert p.recompute and p.skip_on_uncorrectable and p.lam_dw == 64.0 and p.locate
+    assert p.recompute and p.skip_on_uncorrectable and p.lam_dw == 64.0 and p.locate and p.weighted_checks
     assert p.enabled and p.corrects
     d = FaultPolicy(mode="detect")
     assert d.enabled and not d.corrects
@@ -48,6 +48,7 @@ def test_defaults_and_properties():
         "fused",
         "recompute_kernel",
         "locate",
+        "weighted_checks",
     ]
 
 

@@ -324,6 +324,45 @@ def test_abft_finish_block_offset(gpu, dtype, out_dtype, n, block_n):
     assert (flags == ops.ABFT_CORRECTED).sum() >= 15 and (flags == ops.ABFT_DETECTED).sum() >= 10
 
 
+# FaultPolicy(weighted_checks=False): checks without c2 (its slot NaN here: never read) on each
+# kernel: the tile kernel (bf16 in place, 128 columns), the row kernel (f32, 128-column blocks, out of
+# place) and the warp kernel (ragged). Every fault detected, none located; the same flags, counts and
+# values as the reference; a clean product untouched.
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype", "m", "n", "block_n"),
+    [
+        (jnp.bfloat16, jnp.bfloat16, 4096, 5120, 128),
+        (jnp.float32, jnp.bfloat16, 64, 14336, 128),
+        (jnp.bfloat16, jnp.bfloat16, 33, 200, 32),
+    ],
+)
+def test_abft_finish_without_weighted_checks(gpu, dtype, out_dtype, m, n, block_n):
+    rng = np.random.default_rng(m + n)
+    k = 64
+    x = _on(gpu, jnp.asarray(rng.standard_normal((m, k)), jnp.float32))
+    w = _on(gpu, jnp.asarray(rng.standard_normal((k, n)) / 8, jnp.float32))
+    c, mag = ops.abft_checks(x, ops.abft_encode(w, block_n), weighted=False)
+    c = c.at[..., 1].set(jnp.nan)
+    y0 = np.array(jnp.matmul(x, w, precision="highest"))
+    clean = _on(gpu, jnp.asarray(y0).astype(dtype))  # y0 is never written (a transfer may read it late)
+    y = y0.copy()
+    hit = rng.choice(m, min(m, 30), replace=False)
+    y[hit[:10], rng.integers(0, n, 10)] += 1e3  # the weighted check would locate these
+    y[hit[10:20], rng.integers(0, n, 10)] = np.nan
+    y[hit[20:], 0] = y[hit[20:], 1] = np.inf  # two in a block: detected, gated
+    bad = _on(gpu, jnp.asarray(y).astype(dtype))
+    kw = dict(k=k, block_n=block_n, out_dtype=out_dtype, correct=False, weighted=False, fill=0.0)
+    o_n, f_n, n_n = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="native", **kw))(bad, c, mag)
+    o_r, f_r, n_r = jax.jit(lambda a, b, d: ops.abft_finish(a, b, d, impl="reference", **kw))(bad, c, mag)
+    f_n = np.asarray(f_n)
+    assert np.array_equal(f_n, np.asarray(f_r)) and np.array_equal(np.asarray(n_n), np.asarray(n_r))
+    assert not (f_n == ops.ABFT_CORRECTED).any() and (f_n == ops.ABFT_DETECTED).sum() == np.unique(hit).size
+    np.testing.assert_allclose(np.asarray(o_n, np.float32), np.asarray(o_r, np.float32), rtol=1e-2, atol=1e-2)
+    out, flags, counts = ops.abft_finish(clean, c, mag, impl="native", **kw)
+    assert not np.asarray(flags).any() and not np.asarray(counts).any()
+    assert np.asarray(out).tobytes() == np.asarray(clean.astype(out_dtype)).tobytes()
+
+
 # bank_guard at the store's scale (64 MiB) and ragged sizes. Banks of 4112 bytes take two chunks
 # (sums added atomically), 2^18 bytes 64 chunks, 16 bytes one part-idle warp.
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.bfloat16])

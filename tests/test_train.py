@@ -124,8 +124,14 @@ def test_bad_options_are_refused(capsys):
         T.parse_args(["--no-locate", "--no-recompute"])
     assert "--no-locate" in capsys.readouterr().err
     assert T.parse_args(["--no-locate"]).locate is False and T.parse_args([]).locate is True
+    with pytest.raises(SystemExit):
+        T.parse_args(["--no-weighted-checks"])
+    assert "--no-locate" in capsys.readouterr().err
+    plain = T.parse_args(["--no-weighted-checks", "--no-locate"])
+    assert plain.weighted_checks is False and T.parse_args([]).weighted_checks is True
     for bad, match in (
         (dict(locate=False, recompute=False), "locate=False .*recompute=False"),
+        (dict(weighted_checks=False), r"weighted_checks=False .*locate=False"),
         (dict(recompute=False, recompute_blocks=4), "choose one"),
         (dict(recompute=False, recompute_kernel=True), "recompute_kernel=True .*choose one"),
         (dict(recompute_blocks=4, recompute_kernel=True), "recompute_kernel=True .*choose one"),

@@ -95,6 +95,9 @@ class TrainConfig:
     # FaultPolicy.locate: --no-locate never corrects a GEMM's output in place from its checksums;
     # every detected block is recomputed instead (two errors in one block cannot then pass for one).
     locate: bool = True
+    # FaultPolicy.weighted_checks: --no-weighted-checks (with --no-locate) checks each GEMM against the
+    # plain checksums alone: 4 check columns per 128-column block on a GPU instead of 7.
+    weighted_checks: bool = True
     # Attention's flash kernel: "auto" = the verified kernel where it applies (protected, Hopper);
     # "on" = also unprotected (cuDNN's, unchecked; the fast unprotected peer); "off" = never.
     flash: str = "auto"
@@ -138,6 +141,8 @@ def parse_args(argv=None) -> TrainConfig:
         )
     if not cfg.locate and not cfg.recompute:
         ap.error("--no-locate corrects by recomputing: not with --no-recompute")
+    if not cfg.weighted_checks and cfg.locate:
+        ap.error("--no-weighted-checks forms nothing to locate with: add --no-locate")
     if cfg.remat_policy not in REMAT_POLICIES:
         ap.error(f"--remat-policy {cfg.remat_policy}: expected one of {sorted(REMAT_POLICIES)}")
     if cfg.link_fault_rate > 0:
@@ -221,6 +226,11 @@ def train(cfg: TrainConfig) -> dict:
             "TrainConfig.locate=False corrects every detected block by recomputing it; with "
             "recompute=False nothing would be corrected (keep locate=True or recompute=True)"
         )
+    if not cfg.weighted_checks and cfg.locate:
+        raise ValueError(
+            "TrainConfig.weighted_checks=False forms no position-weighted checks, which locating "
+            "reads: with it locate=False"
+        )
     if cfg.remat_policy not in REMAT_POLICIES:
         raise ValueError(
             f"TrainConfig.remat_policy={cfg.remat_policy!r}; expected one of {sorted(REMAT_POLICIES)}"
@@ -263,6 +273,7 @@ def train(cfg: TrainConfig) -> dict:
             recompute_blocks=cfg.recompute_blocks,
             recompute_kernel=cfg.recompute_kernel,
             locate=cfg.locate,
+            weighted_checks=cfg.weighted_checks,
         )
         if cfg.protect
         else FaultPolicy.off()

@@ -108,15 +108,24 @@ class FaultPolicy:
     # tests/test_abft.py) and be "corrected" into a third wrong value. Recomputing costs a redo of
     # the detected block (on GPUs with the device redo, its tile rows alone) where locating costs
     # nothing, and needs recompute=True; for hardware whose faults come in bursts. In mode
-    # "correct" only; the checksums and the checks are the same either way.
+    # "correct" only; the checksums and the checks are the same either way (but see weighted_checks).
     locate: bool = True
+    # Form the position-weighted checks c2 = x·Σ (j+1) w_j beside the plain c1 = x·Σ w_j (True,
+    # default), or not (False; needs locate=False in mode "correct": locating reads c2). c2 serves
+    # location and a second detection test (|r2| <= 128·B1) that catches errors whose plain sums
+    # cancel within the bound (two in one 128-column block, of equal size and opposite sign); without
+    # it a block is judged on r1 alone. What it saves: the check GEMMs carry 4 bf16 columns per
+    # 128-column block instead of 7 on a GPU (c1's 3 terms and mag's 1, where c2 took 3 more), ~43%
+    # of the checks' GEMM work, which reads x for every protected product; the finish still reads y
+    # once. On the CPU the native checks form c2 anyway (one pass over x). Not yet measured on a GPU.
+    weighted_checks: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
             raise TypeError(f"FaultPolicy.mode must be a str, one of {self.MODES}; got {self.mode!r}.")
         if self.mode not in self.MODES:
             raise ValueError(f"FaultPolicy.mode must be one of {self.MODES}; got {self.mode!r}.")
-        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused", "locate"):
+        for name in ("gate", "recompute", "skip_on_uncorrectable", "fused", "locate", "weighted_checks"):
             self._set(name, _as_bool(name, getattr(self, name)))
         if self.recompute_kernel is not None:
             self._set(
@@ -170,6 +179,11 @@ class FaultPolicy:
                     f"FaultPolicy.recompute_blocks={rb} and recompute_kernel=True are two ways to redo "
                     f"detected blocks without a branch; choose one."
                 )
+        if not self.weighted_checks and self.locate and self.mode == "correct":
+            raise ValueError(
+                "FaultPolicy(weighted_checks=False) forms no position-weighted checks, which locating "
+                "an error reads; pass locate=False too (every detected block is then recomputed)."
+            )
         if not self.locate and not self.recompute and self.mode == "correct":
             raise ValueError(
                 "FaultPolicy(locate=False) corrects by recomputing, and recompute=False recomputes "

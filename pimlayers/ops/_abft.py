@@ -319,6 +319,7 @@ def abft_checks(
     transposed: bool = False,
     impl: str = "auto",
     lam: float | None = None,
+    weighted: bool = True,
 ) -> tuple[Float[Array, "*m nb 2"], Float[Array, "*m nb"]]:
     """The checks of y = x @ w from w's checksum columns: ``(c, mag)`` in f32 at HIGHEST precision.
 
@@ -337,7 +338,15 @@ def abft_checks(
     only as precisely as that check needs, and mag comes out raised to cover what is left out
     (:func:`_check_terms`): still an upper scale for the bound, so no clean product fails it.
     Without ``lam`` both are f32-accurate. The native (CPU) checks are f32-accurate either way.
+
+    ``weighted=False``: only the plain checks c1 are formed; c[..., 1] is 0 (``FaultPolicy(
+    weighted_checks=False)``: a check on c1 alone, nothing located). On a GPU the check GEMMs then
+    carry 4 bf16 columns per 128-column block instead of 7 (3 terms of c1 and 1 of mag, where c2
+    took 3 more); the native CPU pass forms both and c2 is zeroed.
     """
+    if not isinstance(weighted, bool | np.bool_):
+        raise TypeError(f"pimlayers.abft_checks: weighted={weighted!r}; expected a bool")
+    weighted = bool(weighted)
     *g, k, nb = enc.abs_sums.shape
     if transposed and (x.ndim != len(g) + 2 or tuple(x.shape[:-2]) != tuple(g) or x.shape[-2] != k):
         raise ValueError(
@@ -345,13 +354,13 @@ def abft_checks(
             f"({', '.join(map(str, (*g, k)))}, R) for checksums of {tuple(enc.sums.shape)}"
         )
     check_impl("abft_checks", impl)
-    reference = lambda v, s, a: _checks_reference(v, WeightChecksums(s, a), transposed, lam)
+    reference = lambda v, s, a: _checks_reference(v, WeightChecksums(s, a), transposed, lam, weighted)
     if x.shape[-2 if transposed else -1] != k:
         raise ValueError(
             f"pimlayers.abft_checks: x has shape {tuple(x.shape)}; expected K = {k} on its "
             f"{'second-to-last' if transposed else 'last'} axis for checksums of {tuple(enc.sums.shape)}"
         )
-    if impl == "auto" and x.dtype == jnp.bfloat16:
+    if impl == "auto" and x.dtype == jnp.bfloat16 and weighted:  # the opt-in kernel forms both
         reference = _with_checks_kernel(reference, x, enc, k, transposed, lam)
     if transposed:
         # xᵀ @ s contracts over x's leading axis, the one a data-parallel x is split over: XLA
@@ -377,7 +386,19 @@ def abft_checks(
         native = row_parallel(lambda v, s, a: _checks_native(v, s, a, False), (1, 3, 2), (2, 1))
     else:  # matmul broadcasting between x's and the weights' leading axes
         native = reference
+    if not weighted:
+        native = _without_c2(native)
     return dispatch("abft_checks", impl, native, reference, x, enc.sums, enc.abs_sums, native_on=("cpu",))
+
+
+def _without_c2(fn):
+    """``fn``'s checks with c2 zeroed (the native CPU pass forms both: one pass over x either way)."""
+
+    def call(v, s, a):
+        c, mag = fn(v, s, a)
+        return jnp.stack([c[..., 0], jnp.zeros_like(c[..., 0])], axis=-1), mag
+
+    return call
 
 
 def _with_checks_kernel(reference, x, enc: WeightChecksums, k: int, transposed: bool, lam):
@@ -484,11 +505,19 @@ def _check_terms(k: int, lam: float | None) -> tuple[int, int, float]:
     return 3, 1, scale
 
 
-def _checks_reference(x, enc: WeightChecksums, transposed: bool, lam: float | None = None):
+def _checks_reference(
+    x, enc: WeightChecksums, transposed: bool, lam: float | None = None, weighted: bool = True
+):
     *g, k, nb = enc.abs_sums.shape
-    sums = enc.sums.reshape(*g, k, nb * 2)
+    per = 2 if weighted else 1  # c1 and c2, or (weighted=False) c1 alone
+    sums = enc.sums.reshape(*g, k, nb * 2) if weighted else enc.sums[..., 0]
     rows = x.shape[-1] if transposed else x.shape[-2]
     lead = x.shape[:-2]
+
+    def pair(c):  # (..., rows, nb * per) -> (..., rows, nb, 2), c2 zero where not formed
+        c = c.reshape(*lead, rows, nb, per)
+        return c if weighted else jnp.concatenate([c, jnp.zeros_like(c)], axis=-1)
+
     if x.dtype == jnp.bfloat16:
         # bf16 x: the f32 checksum columns split into bf16 terms (hi + mid + lo carries 24 bits,
         # f32's precision) ride on the tensor cores: each bf16 x bf16 product is exact in f32, so
@@ -498,12 +527,12 @@ def _checks_reference(x, enc: WeightChecksums, transposed: bool, lam: float | No
         # column per block in these GEMMs (8 per 128-column block with f32-accurate checks, 6.25%
         # of the protected GEMM's own work; 7, or 5 for the weight gradients, given λ).
         c_terms, mag_terms, scale = _check_terms(k, lam)
-        c = _split_dot(x, sums, c_terms, transposed).reshape(*lead, rows, nb, 2)
+        c = pair(_split_dot(x, sums, c_terms, transposed))
         abs_sums = enc.abs_sums if scale == 1.0 else enc.abs_sums * jnp.float32(scale)  # (K, nb): small
         return c, _split_dot(jnp.abs(x), abs_sums, mag_terms, transposed)
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
-    c = _dot_x(xf, sums, transposed, precision=hi).reshape(*lead, rows, nb, 2)
+    c = pair(_dot_x(xf, sums, transposed, precision=hi))
     mag = _dot_x(jnp.abs(xf), enc.abs_sums, transposed, precision=hi)
     return c, mag
 
@@ -558,12 +587,14 @@ def _bf16_head(v: Float[Array, ...]) -> Float[Array, ...]:
 
 
 def abft_check_reference(
-    y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool, width=None
+    y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool, width=None, weighted=True
 ):
     """Pure-JAX twin of the native check (sums in f32 instead of f64: equal flags away from the bound).
 
     ``width`` (int32, y's shape with nb for N; optional) overrides each block's column count, for
     blocks gathered out of a wider product whose last block is partial (the batched recompute).
+    ``weighted=False``: the checks hold no c2 (its slot is not read), r1 alone decides and nothing
+    is located.
     """
     n = y.shape[-1]
     bn, nb = block_n, checks.shape[-2]
@@ -587,6 +618,9 @@ def abft_check_reference(
     bound = lambda sum_abs: abft_bound(mag, sum_abs, k, width, lam, u, u_y)
     b1 = bound(sa)
     r1, r2 = s1 - c1, s2 - c2
+    if not weighted:  # no c2: r1 alone decides (csrc/abft.h), nothing is located
+        c2 = r2 = jnp.zeros_like(c1)
+        correct = False
     bad = ~(jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag))
     detected = bad | ~(jnp.abs(r1) <= b1) | ~(jnp.abs(r2) <= width * b1)
     jl = jnp.rint(r2 / r1) - 1.0
@@ -632,7 +666,7 @@ def abft_check_reference(
     return out, flag
 
 
-def _check_attrs(k, block_n, lam, u, correct) -> dict:
+def _check_attrs(k, block_n, lam, u, correct, weighted) -> dict:
     """The attributes both native checks take (typed as their handlers bind them)."""
     return dict(
         block_n=np.int64(block_n),
@@ -640,15 +674,16 @@ def _check_attrs(k, block_n, lam, u, correct) -> dict:
         unit_roundoff=np.float32(u),
         lam=np.float32(lam),
         correct=np.bool_(correct),
+        weighted=np.bool_(weighted),
     )
 
 
-def _native(y, checks, mag, k, block_n, lam, u, correct):
+def _native(y, checks, mag, k, block_n, lam, u, correct, weighted):
     out = (jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(mag.shape, jnp.int32))
     call = jax.ffi.ffi_call(
         "pimlayers_abft_check", out, vmap_method="broadcast_all", input_output_aliases={0: 0}
     )
-    return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct))
+    return call(y, checks, mag, **_check_attrs(k, block_n, lam, u, correct, weighted))
 
 
 @_scoped("pimlayers.abft_check")
@@ -662,6 +697,7 @@ def abft_check(
     lam: float = 8.0,
     unit_roundoff: float = F32_ROUNDOFF,
     correct: bool = True,
+    weighted: bool = True,
     impl: str = "auto",
 ) -> tuple[Float[Array, "*m n"], Int32[Array, "*m nb"]]:
     """Verify a GEMM output against its checks; locate and rebuild one wrong value per row block.
@@ -674,22 +710,38 @@ def abft_check(
       lam: safety factor of the probabilistic bound.
       unit_roundoff: u of the accumulation (f32: 2^-24).
       correct: rebuild located values; False only detects.
+      weighted: the checks hold c2 (``abft_checks(..., weighted=True)``, the default). False: c2
+        was not formed (its slot is not read); r1 alone decides and nothing is located, so
+        ``correct`` must be False.
 
     Returns ``(y_out, flags)``; flags per (row, block): 0 clean, 1 corrected, 2 detected and not
     corrected. No shape depends on the data: a fault never recompiles anything.
     """
     check_impl("abft_check", impl)
     check_float("abft_check", "y", y)
+    _check_weighted("abft_check", correct, weighted)
     args = (*_check_args("abft_check", y, checks, mag, k, block_n, lam, unit_roundoff), bool(correct))
+    w = bool(weighted)
     return dispatch(
         "abft_check",
         impl,
-        row_parallel(lambda a, c, m: _native(a, c, m, *args), (1, 2, 1), (1, 1)),
-        lambda a, c, m: abft_check_reference(a, c, m, *args),
+        row_parallel(lambda a, c, m: _native(a, c, m, *args, w), (1, 2, 1), (1, 1)),
+        lambda a, c, m: abft_check_reference(a, c, m, *args, weighted=w),
         y,
         checks,
         mag,
     )
+
+
+def _check_weighted(op: str, correct, weighted) -> None:
+    """Location reads c2: a check without it (``weighted=False``) cannot correct in place."""
+    if not isinstance(weighted, bool | np.bool_):
+        raise TypeError(f"pimlayers.{op}: weighted={weighted!r}; expected a bool")
+    if correct and not weighted:
+        raise ValueError(
+            f"pimlayers.{op}: correct=True with weighted=False; locating an error reads the "
+            "position-weighted checks c2, which weighted=False says were not formed (pass correct=False)"
+        )
 
 
 def _check_args(
@@ -724,14 +776,28 @@ def _check_args(
 
 
 def abft_finish_reference(
-    y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit, width=None, block_offset=0
+    y,
+    checks,
+    mag,
+    k,
+    block_n,
+    lam,
+    u,
+    correct,
+    out_dtype,
+    gate,
+    fill,
+    limit,
+    width=None,
+    block_offset=0,
+    weighted=True,
 ):
     """Pure-JAX twin of the native abft_finish: check and correct, cast, then gate the stored value."""
     nb = _blocks(y.shape[-1], block_n)[1]
     if block_offset or checks.shape[-2] != nb:  # y's blocks of a wider row of checks
         checks = checks[..., block_offset : block_offset + nb, :]
         mag = mag[..., block_offset : block_offset + nb]
-    out, flags = abft_check_reference(y, checks, mag, k, block_n, lam, u, correct, width)
+    out, flags = abft_check_reference(y, checks, mag, k, block_n, lam, u, correct, width, weighted)
     out = out.astype(out_dtype)
     if not gate:
         return out, flags, jnp.zeros(flags.shape, jnp.int32)
@@ -743,7 +809,9 @@ def abft_finish_reference(
     return out, flags, counts
 
 
-def _finish_native(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit, block_offset):
+def _finish_native(
+    y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate, fill, limit, block_offset, weighted
+):
     nb = _blocks(y.shape[-1], block_n)[1]
     out = (
         jax.ShapeDtypeStruct(y.shape, out_dtype),
@@ -758,7 +826,7 @@ def _finish_native(y, checks, mag, k, block_n, lam, u, correct, out_dtype, gate,
         "pimlayers_abft_finish", out, vmap_method="broadcast_all", input_output_aliases=alias
     )
     gated = dict(gate=np.bool_(gate), fill=np.float32(fill), limit=np.float32(limit))
-    attrs = _check_attrs(k, block_n, lam, u, correct)
+    attrs = _check_attrs(k, block_n, lam, u, correct, weighted)
     return call(y, checks, mag, **attrs, **gated, block_offset=np.int64(block_offset))
 
 
@@ -778,6 +846,7 @@ def abft_finish(
     fill: float = 0.0,
     limit: float | None = None,
     block_offset: int = 0,
+    weighted: bool = True,
     impl: str = "auto",
 ) -> tuple[Float[Array, "*m n"], Int32[Array, "*m nb"], Int32[Array, "*m nb"]]:
     """:func:`abft_check`, the insulation gate and the cast to ``out_dtype`` in one pass over y.
@@ -799,8 +868,11 @@ def abft_finish(
     shared by several products, their checks side by side); y's are blocks ``block_offset ..
     block_offset + nb - 1``, read in place. Slicing them out instead cost a copy kernel per slice
     (80 per 4-layer Llama-3-8B-dimension training step on an H200, 0.28 ms; 2026-12-04).
+
+    ``weighted``: as :func:`abft_check`'s (False: no c2, r1 alone decides, ``correct`` False).
     """
     check_impl("abft_finish", impl)
+    _check_weighted("abft_finish", correct, weighted)
     check_float("abft_finish", "y", y)
     out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -813,12 +885,12 @@ def abft_finish(
         raise ValueError(f"pimlayers.abft_finish: limit={limit!r}; expected None or a number >= 0")
     args = _check_args("abft_finish", y, checks, mag, k, block_n, lam, unit_roundoff, block_offset)
     args = (*args, bool(correct), out_dtype, bool(gate), float(fill), float(limit))
-    off = int(block_offset)
+    off, w = int(block_offset), bool(weighted)
     return dispatch(
         "abft_finish",
         impl,
-        row_parallel(lambda a, c, m: _finish_native(a, c, m, *args, off), (1, 2, 1), (1, 1, 1)),
-        lambda a, c, m: abft_finish_reference(a, c, m, *args, block_offset=off),
+        row_parallel(lambda a, c, m: _finish_native(a, c, m, *args, off, w), (1, 2, 1), (1, 1, 1)),
+        lambda a, c, m: abft_finish_reference(a, c, m, *args, block_offset=off, weighted=w),
         y,
         checks,
         mag,

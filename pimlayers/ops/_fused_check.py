@@ -37,10 +37,16 @@ REDO_TILES = 2
 
 
 def fused_flags(
-    sums: Float[Array, "2 nb m"], c: Float[Array, "m nb 2"], mag: Float[Array, "m nb"], k: int, lam: float
+    sums: Float[Array, "2 nb m"],
+    c: Float[Array, "m nb 2"],
+    mag: Float[Array, "m nb"],
+    k: int,
+    lam: float,
+    weighted: bool = True,
 ) -> Int32[Array, "m nb"]:
-    """ABFT_DETECTED where a block's sums disagree with its checks beyond the bound, else ABFT_CLEAN."""
-    return sums_flags(sums[0].T, sums[1].T, c[..., 0], c[..., 1], mag, k, float(TILE), lam)
+    """ABFT_DETECTED where a block's sums disagree with its checks beyond the bound, else ABFT_CLEAN
+    (``weighted=False``: c2 was not formed, s1 against c1 alone decides)."""
+    return sums_flags(sums[0].T, sums[1].T, c[..., 0], c[..., 1], mag, k, float(TILE), lam, weighted)
 
 
 def sums_flags(
@@ -52,12 +58,17 @@ def sums_flags(
     k: int,
     width,
     lam: float,
+    weighted: bool = True,
 ) -> Int32[Array, "*m nb"]:
     """The check of an f32 accumulator's block sums s1 = Σ acc, s2 = Σ (j + 1) acc (blocks ``width``
     columns wide: a float, or an array over nb for a ragged last block) against the checks c1, c2
     and mag: ABFT_DETECTED or ABFT_CLEAN. Also the device redo's, inside its kernel
-    (``_redo_kernel``)."""
+    (``_redo_kernel``). ``weighted=False``: c2 was not formed (not read); s1 against c1 decides."""
     b1 = abft_bound(mag, 0.0, k, width, lam, F32_ROUNDOFF)  # the f32 accumulator: no u_y term
+    if not weighted:
+        finite = jnp.isfinite(c1) & jnp.isfinite(mag) & jnp.isfinite(s1)
+        detected = ~finite | ~(jnp.abs(s1 - c1) <= b1)
+        return jnp.where(detected, ABFT_DETECTED, ABFT_CLEAN).astype(jnp.int32)
     finite = jnp.isfinite(c1) & jnp.isfinite(c2) & jnp.isfinite(mag) & jnp.isfinite(s1) & jnp.isfinite(s2)
     # Written so a NaN anywhere (sums, checks, bound) lands on "detected".
     detected = ~finite | ~(jnp.abs(s1 - c1) <= b1) | ~(jnp.abs(s2 - c2) <= width * b1)
@@ -107,6 +118,7 @@ def redo_tiles(
     gate: bool,
     fill: float,
     tiles: int = REDO_TILES,
+    weighted: bool = True,
 ):
     """Recompute the detected blocks of y from the operands, without a branch, in place.
 
@@ -144,7 +156,7 @@ def redo_tiles(
     for i in range(t.shape[0]):
         ct = lax.dynamic_slice(c, (r0[i], bi[i], 0), (TILE, 1, 2))
         mt = lax.dynamic_slice(mag, (r0[i], bi[i]), (TILE, 1))
-        again = fused_flags(block_sums(acc[i]), ct, mt, kk, lam)[:, 0] != ABFT_CLEAN
+        again = fused_flags(block_sums(acc[i]), ct, mt, kk, lam, weighted)[:, 0] != ABFT_CLEAN
         yq = acc[i].astype(y.dtype)
         rows = lax.dynamic_slice(pend, (r0[i], bi[i]), (TILE, 1))[:, 0] & live[i]
         gone = ~jnp.isfinite(yq) & gate

@@ -84,9 +84,12 @@ def active() -> bool:
     return _ACTIVE is not None
 
 
-def record(role: str, y, checks, mag, dtype, *, k: int, block_n: int | None, lam: float) -> None:
+def record(
+    role: str, y, checks, mag, dtype, *, k: int, block_n: int | None, lam: float, weighted: bool = True
+) -> None:
     """Inside ``check_margins``: emit one record for y (G, R, N) f32 or bf16 (a product over K = k
-    of ``dtype`` operands) against checks (G, R, nb, 2) and mag (G, R, nb). Elsewhere: nothing."""
+    of ``dtype`` operands) against checks (G, R, nb, 2) and mag (G, R, nb) (``weighted=False``: no
+    c2 in the checks, the plain sums' ratio alone). Elsewhere: nothing."""
     log = _ACTIVE
     if log is None:
         return
@@ -104,8 +107,12 @@ def record(role: str, y, checks, mag, dtype, *, k: int, block_n: int | None, lam
     col = jnp.arange(1, block_n + 1, dtype=jnp.float32).reshape(1, 1, 1, block_n)
     s1, s2 = yz.sum(-1), (yz * col).sum(-1)
     b1 = abft_bound(mag, jnp.abs(yz).sum(-1), k, width, lam, u, u_y)
+    if not weighted:  # c2 was not formed: the check reads c1 alone
+        checks = checks[..., :1]
     ok = jnp.isfinite(checks).all(-1) & jnp.isfinite(mag)
-    ratio = jnp.maximum(jnp.abs(s1 - checks[..., 0]) / b1, jnp.abs(s2 - checks[..., 1]) / (width * b1))
+    ratio = jnp.abs(s1 - checks[..., 0]) / b1
+    if weighted:
+        ratio = jnp.maximum(ratio, jnp.abs(s2 - checks[..., 1]) / (width * b1))
     ratio = jnp.where(ok & (b1 > 0), ratio, 0.0)
     i = jnp.argmax(ratio)
     mag_i = mag.reshape(-1)[i]

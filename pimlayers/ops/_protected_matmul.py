@@ -176,9 +176,13 @@ def _checked_gemm(
         gate=policy.gate,
         fill=policy.gate_fill,
         limit=policy.gate_limit,
+        weighted=policy.weighted_checks,
     )
     if checks is None:
-        c, mag, off = (*abft_checks(checks_after(y, a), enc, transposed=a_t, lam=policy.lam), 0)
+        c, mag = abft_checks(
+            checks_after(y, a), enc, transposed=a_t, lam=policy.lam, weighted=policy.weighted_checks
+        )
+        off = 0
     else:
         c, mag, off = checks  # a shared check GEMM's: this product's blocks from `off` on
     kw["block_offset"] = off
@@ -190,7 +194,7 @@ def _checked_gemm(
         return c[..., off : off + nb, :], mag[..., off : off + nb]
 
     if _margins.active():
-        _margins.record(role, y, *own(), a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
+        _margins.record(role, y, *own(), a.dtype, **_margin_kw(policy, k))
     out, flags, counts = _finish(y, c, mag, correct=policy.corrects and policy.locate, **kw)
     in_place, pending, flagged, gated_first = _tally(flags, counts)
     detected = jnp.sum(flagged > 0, dtype=jnp.int32)
@@ -213,7 +217,7 @@ def _checked_gemm(
             a2, b2 = lax.optimization_barrier((a, b))
             y2 = _dot(a2, b2, precision, a_t, b_t, prod)
             if _margins.active():
-                _margins.record("redo", y2, *own(), a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
+                _margins.record("redo", y2, *own(), a.dtype, **_margin_kw(policy, k))
             out2, flags2, counts2 = _finish(y2, c, mag, correct=policy.locate, **kw)
             still2 = jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32)
             return out2, counts2, still2, jnp.int32(g), jnp.bool_(False)
@@ -266,7 +270,7 @@ def _checked_gemms(
             jnp.concatenate([e.sums for e in encs], axis=-2),
             jnp.concatenate([e.abs_sums for e in encs], axis=-1),
         )
-        c, mag = abft_checks(a, both, transposed=a_t, lam=policy.lam)
+        c, mag = abft_checks(a, both, transposed=a_t, lam=policy.lam, weighted=policy.weighted_checks)
         # Each product's finish reads its blocks where they lie: slices of c and mag would each
         # be a copy kernel (80 per 4-layer Llama-3-8B-dimension step on an H200, 0.28 ms).
         offsets = np.concatenate([[0], np.cumsum(nbs)[:-1]]).tolist()
@@ -290,7 +294,19 @@ def _redo_kernel_applies(a, b, out_dtype, policy: FaultPolicy, r: int, k: int, n
 def _redo_kw(policy: FaultPolicy) -> dict:
     """The policy's settings that :func:`redo_detected` takes."""
     p = policy
-    return dict(block_n=p.block_n, lam=p.lam, gate=p.gate, fill=p.gate_fill, limit=p.gate_limit)
+    return dict(
+        block_n=p.block_n,
+        lam=p.lam,
+        gate=p.gate,
+        fill=p.gate_fill,
+        limit=p.gate_limit,
+        weighted=p.weighted_checks,
+    )
+
+
+def _margin_kw(policy: FaultPolicy, k: int) -> dict:
+    """The policy's settings that ``_margins.record`` takes."""
+    return dict(k=k, block_n=policy.block_n, lam=policy.lam, weighted=policy.weighted_checks)
 
 
 def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tuple[Int32[Array, " g"], ...]:
@@ -373,10 +389,11 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     # Each device's rows of x (``_fused_rows``); on one device the plain call.
     y, sums = fused_rows(_fused_kernel(), a[0], b[0], _fused_config(k, b.shape[2]))
     y, sums = inject_fused(y, sums, faults)
-    c, mag = abft_checks(a, enc)
+    weighted = policy.weighted_checks
+    c, mag = abft_checks(a, enc, weighted=weighted)
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
-    _margins.record(role, y[None], c, mag, a.dtype, k=k, block_n=policy.block_n, lam=policy.lam)
-    flags = fused_flags(sums, c[0], mag[0], k, policy.lam)
+    _margins.record(role, y[None], c, mag, a.dtype, **_margin_kw(policy, k))
+    flags = fused_flags(sums, c[0], mag[0], k, policy.lam, weighted)
     if policy.recompute and redo_kernel_wanted(policy):  # every detected block, on the device kernel
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
         zeros = jnp.zeros(flags.shape, jnp.int32)  # nothing gated yet: the fused path has no finish
@@ -386,7 +403,9 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
         y = y[0]
     elif policy.recompute:
         kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
-        y, pending, still, gated, redone = redo_tiles(a[0], b[0], c[0], mag[0], y, flags, **kw)
+        y, pending, still, gated, redone = redo_tiles(
+            a[0], b[0], c[0], mag[0], y, flags, weighted=weighted, **kw
+        )
     else:
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
         still, gated, redone = pending, jnp.int32(0), jnp.int32(0)
@@ -467,6 +486,7 @@ def _redo_blocks(a, b, c, mag, out, flags, counts, policy: FaultPolicy, precisio
         policy.gate_fill,
         limit,
         width[:, None, None],
+        weighted=policy.weighted_checks,
     )
     gated_first = jnp.sum(jnp.where(valid, counts[gi, ri, bi], 0), dtype=jnp.int32)
     colidx = jnp.where(valid[:, None] & inside, bi[:, None] * bn + j[None, :], n)  # n: dropped

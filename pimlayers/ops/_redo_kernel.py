@@ -189,7 +189,7 @@ def _kernel(a_ref, b_ref, flags_ref, counts_ref, c_ref, mag_ref, y_in_ref, y_ref
 
 
 def _redo_block(
-    refs, g, i, blk, rmask, redo, *, k, n, nb, bw, bn, bpp, off, a_t, b_t, gate, fill, limit, lam
+    refs, g, i, blk, rmask, redo, *, k, n, nb, bw, bn, bpp, off, a_t, b_t, gate, fill, limit, lam, weighted
 ):
     """Block ``blk`` of row tile i: its tiles' K-long dot products, the detected rows stored, the
     block's sums checked against (c, mag) again. Returns this block's stats per row (BM, _STATS)."""
@@ -240,10 +240,10 @@ def _redo_block(
     z = jnp.zeros((_BM,), jnp.float32)
     s1, s2, cnt = lax.fori_loop(0, tiles, tile, (z, z, jnp.zeros((_BM,), jnp.int32)))
     c1 = plt.load(c_ref.at[g, rows, off + blk, jnp.int32(0)], mask=rmask, other=0.0)
-    c2 = plt.load(c_ref.at[g, rows, off + blk, jnp.int32(1)], mask=rmask, other=0.0)
+    c2 = plt.load(c_ref.at[g, rows, off + blk, jnp.int32(1)], mask=rmask, other=0.0) if weighted else c1
     mag = plt.load(mag_ref.at[g, rows, off + blk], mask=rmask, other=0.0)
     width = jnp.minimum(bw, n - blk * bw).astype(jnp.float32)
-    again = sums_flags(s1, s2, c1, c2, mag, k, width, lam) != ABFT_CLEAN
+    again = sums_flags(s1, s2, c1, c2, mag, k, width, lam, weighted) != ABFT_CLEAN
     first = plt.load(counts_ref.at[g, rows, blk], mask=rmask, other=0)
     zero = jnp.zeros_like(cnt)
     return _columns(redo & again, jnp.where(redo, cnt, zero), jnp.where(redo, first, zero), redo)
@@ -260,10 +260,28 @@ def _columns(*rows):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "off", "a_t", "b_t", "gate", "fill", "limit", "lam", "interpret")
+    jax.jit,
+    static_argnames=("block_n", "off", "a_t", "b_t", "gate", "fill", "limit", "lam", "weighted", "interpret"),
 )
 def _redo_call(
-    a, b, flags, counts, c, mag, y, *, block_n, off, a_t, b_t, gate, fill, limit, lam, interpret=False
+    a,
+    b,
+    flags,
+    counts,
+    c,
+    mag,
+    y,
+    *,
+    block_n,
+    off,
+    a_t,
+    b_t,
+    gate,
+    fill,
+    limit,
+    lam,
+    weighted=True,
+    interpret=False,
 ):
     """``(y, stats)``: y with its detected rows' blocks recomputed, and per row and program (G, R,
     groups of blocks, 4) int32: blocks still failing, values the redo gated, the first pass's gated
@@ -274,7 +292,7 @@ def _redo_call(
     bw, bn, bpp = _tiling(block_n, n)
     kern = functools.partial(
         _kernel, r=r, k=k, n=n, nb=nb, bw=bw, bn=bn, bpp=bpp, off=off, a_t=a_t, b_t=b_t,
-        gate=gate, fill=fill, limit=limit, lam=lam,
+        gate=gate, fill=fill, limit=limit, lam=lam, weighted=weighted,
     )  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=8, num_stages=2))
@@ -309,6 +327,7 @@ def redo_detected(
     a_t: bool = False,
     b_t: bool = False,
     block_offset: int = 0,
+    weighted: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Recompute every (row, block) of ``out`` flagged ``ABFT_DETECTED``, in place, and check it again.
 
@@ -318,12 +337,13 @@ def redo_detected(
     Returns ``(out, gated, still, recomputed)`` as ``_protected_matmul._redo_blocks`` does: ``gated``
     corrects the first pass's gated count (each redone block's new count replaces its first one),
     ``still`` counts redone blocks whose sums still disagree with their checks (uncorrectable),
-    ``recomputed`` the GEMMs of the G that had anything redone.
+    ``recomputed`` the GEMMs of the G that had anything redone. ``weighted=False``: the checks hold
+    no c2 (not read); a redone block is judged on its plain sums alone.
     """
     lim = min(math.inf if limit is None else float(limit), float(jnp.finfo(jnp.float32).max))
     kw = dict(
         block_n=block_n, off=int(block_offset), a_t=a_t, b_t=b_t, gate=gate, fill=float(fill), limit=lim,
-        lam=float(lam),
+        lam=float(lam), weighted=bool(weighted),
     )  # fmt: skip
 
     def call(*args):  # Triton on a GPU; Pallas' interpreter elsewhere (a CPU: tests)
