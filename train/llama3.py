@@ -324,6 +324,11 @@ def train(cfg: TrainConfig) -> dict:
         f"model: {cfg.config} ({model_cfg.n_layers} layers, dim {model_cfg.dim}), {n_params:,} parameters; "
         f"mesh {dict(mesh.shape)}; protection {'on' if cfg.protect else 'off'}"
         + (f" (GEMM recompute: {recompute_mode(policy)})" if cfg.protect else "")
+        + (
+            "; GEMMs checked on their plain checksums alone"
+            if cfg.protect and not policy.weighted_checks
+            else ""
+        )
         + (f"; parity {store.overhead()['parity_fraction']:.3f} of the parameter bytes" if store else "")
     )
 
