@@ -172,6 +172,15 @@ def handler_cases(gpu) -> list:
                 (jnp.bfloat16, jnp.bfloat16, 200, 32),
             )
         ],
+        # The finish without c2 (FaultPolicy(weighted_checks=False)): tile, row and warp kernels.
+        *[
+            (T.test_abft_finish_without_weighted_checks, (gpu, d, o, m, n, b))
+            for d, o, m, n, b in (
+                (jnp.bfloat16, jnp.bfloat16, 37, 1280, 128),
+                (jnp.float32, jnp.bfloat16, 64, 14336, 128),
+                (jnp.bfloat16, jnp.bfloat16, 33, 200, 32),
+            )
+        ],
         # Last: on 2026-12-01 (H200, compute-sanitizer of CUDA 13) the tool itself segfaulted at the
         # first of these, under memcheck and racecheck, even with these kernels left uninstrumented.
         *[(T.test_bank_guard_and_verify_many, (gpu, 9, b, g)) for b, g in ((16, 3), (4096, 8), (4112, 11))],

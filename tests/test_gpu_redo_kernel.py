@@ -89,3 +89,22 @@ def test_the_default_policy_redoes_on_the_kernel_on_this_gpu(cuda):
     )
     assert (r.to_dict()["gemm_recomputed"], r.to_dict()["gemm_uncorrectable"]) == (1, 0)
     _close(y, clean)
+
+
+def test_plain_checks_at_the_llama_shape_redo_every_detection(cuda):
+    """FaultPolicy(weighted_checks=False, locate=False) at 8192 x 4096 -> 1024: a clean product
+    equals the default's bit for bit with nothing reported; a single error (which the default
+    locates) and an unlocatable pair are both redone on the kernel, checked again on c1 alone."""
+    from test_weighted_checks import PLAIN, _single
+
+    x, w = _xw(8192, 4096, 1024)
+    clean = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16)
+    f = jax.jit(lambda a, b, fl=None: ops.protected_matmul(a, b, policy=PLAIN, faults=fl))
+    y0, r0 = f(x, w)
+    ref, _ = jax.jit(lambda a, b: ops.protected_matmul(a, b)[0:2])(x, w)
+    assert np.asarray(y0).tobytes() == np.asarray(ref).tobytes() and r0.to_dict()["gemm_detected"] == 0
+    keys = ("gemm_detected", "gemm_recomputed", "gemm_corrected", "gemm_uncorrectable")
+    for faults in (_single(clean, 4000), _two_in_a_block(clean, 4000, 128)):
+        y, r = f(x, w, faults)
+        assert tuple(r.to_dict()[c] for c in keys) == (1, 1, 1, 0)
+        _close(y, clean)

@@ -137,10 +137,13 @@ def test_fused_sums_check_reads_no_c2():
     assert (np.asarray(sums_flags(s1, s1 * 7, s1, c2, mag, 64, 128.0, 8.0)) == ABFT_DETECTED).all()
 
 
-def _single(clean, row=11, col=40):
-    """One exponent flip (bit 30) of a value near 1: an error the weighted check locates."""
+def _single(clean, row=11, col=None):
+    """One exponent flip (bit 30) of a value of 0.3-3 in ``row`` (at ``col``, or the first such
+    column): an error the weighted check locates."""
     i32 = lambda v: jnp.asarray([v], jnp.int32)
-    assert 0.3 < abs(float(np.asarray(clean, np.float32)[row, col])) < 3.0
+    v = np.abs(np.asarray(clean, np.float32)[row])
+    col = int(np.flatnonzero((v > 0.3) & (v < 3.0))[0]) if col is None else col
+    assert 0.3 < v[col] < 3.0
     return GemmFaults(i32(row), i32(col), i32(30), jnp.ones((1,), bool))
 
 
