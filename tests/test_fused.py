@@ -344,3 +344,26 @@ def test_under_vmap_each_gemm_is_checked_and_redone_alone(fused):
     assert np.asarray(r.gemm_uncorrectable).tolist() == [0, 0]
     assert np.asarray(y[0]).tobytes() == np.asarray(clean[0]).tobytes()
     _assert_redone(y[1], clean[1])
+
+
+@pytest.mark.parametrize("kernel", [False, True])  # redo_tiles, the device redo (interpreted here)
+def test_plain_checks_on_the_fused_path(fused, kernel):
+    """FaultPolicy(fused=True, weighted_checks=False, locate=False): the fused kernel's s1 against c1
+    alone; clean equals the weighted fused path's output, a fault in two tiles is redone."""
+    policy = FUSED.replace(weighted_checks=False, locate=False, recompute_kernel=kernel)
+    x, w = _xw()
+    clean = _plain(x, w)
+    none = _sites([-1], [0], [0])
+    y0, r0 = _pmm(policy)(x, w, none)
+    ref, _ = _pmm(FUSED.replace(recompute_kernel=kernel))(x, w, none)
+    assert np.asarray(y0).tobytes() == np.asarray(ref).tobytes() and r0.to_dict()["gemm_detected"] == 0
+    cols = [_big(clean, 3, 0, 128), _big(clean, 3, 130, 256)]
+    y, r = _pmm(policy)(x, w, _sites([3, 3], cols, [30, 30]))
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_recomputed"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (
+        1,
+        1,
+        2,
+        0,
+    )
+    _assert_redone(y, clean)
