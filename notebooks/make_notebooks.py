@@ -117,6 +117,40 @@ for name, k in (("loop", False), ("device kernel", True)):
     ),
     (
         "md",
+        """## Fewer check columns: the plain checksums alone
+
+Each 128-column block carries two checks: the plain sum c1 = x·Σ w_j and the position-weighted
+c2 = x·Σ (j+1) w_j, which locates a single error (r2 / r1 names its column) and catches two errors
+that cancel in the plain sum when they are large and far enough apart (|e|·|j_a - j_b| beyond c2's
+bound, 128 times c1's). On a GPU both are GEMM columns over x, three bf16 terms each, beside one for
+the bound's magnitude: 7 columns a block, paid on every call. `FaultPolicy(weighted_checks=False,
+locate=False)` forms c1 alone (4 columns): every detected block is then recomputed, and a cancelling
+pair passes. Below: the columns of the check GEMMs a GPU runs, the pair, and the same two NaNs as
+above recomputed.""",
+    ),
+    (
+        "code",
+        """plain = FaultPolicy(weighted_checks=False, locate=False)
+enc = ops.abft_encode(wb, 128)
+for weighted in (True, False):
+    fn = lambda a, w=weighted: ops.abft_checks(a, enc, lam=8.0, weighted=w, impl="reference")
+    cols_ = sum(e.outvars[0].aval.shape[-1] for e in jax.make_jaxpr(fn)(xb).eqns
+                if e.primitive.name == "dot_general")
+    print(f"weighted_checks={weighted!s:5}: check-GEMM columns {cols_} for {enc.abs_sums.shape[-1]} blocks")
+# +8 and -8 in one block of an f32 product: r1 stays within its bound B1; r2 = (3 - 100) * 8 is far
+# beyond c2's, 128 B1 (a pair closer together or smaller passes c2 too).
+xf, wf = xb.astype(jnp.float32), wb.astype(jnp.float32)
+yf = jnp.matmul(xf, wf, precision="highest")
+pair = yf.at[5, 3].add(8.0).at[5, 100].add(-8.0)
+for weighted in (True, False):
+    c, mag = ops.abft_checks(xf, ops.abft_encode(wf, 128), weighted=weighted)
+    _, flags, _ = ops.abft_finish(pair, c, mag, k=512, block_n=128, correct=False, weighted=weighted)
+    print(f"weighted_checks={weighted!s:5}: the cancelling pair's block flagged: {bool(flags[5, 0])}")
+y, r = jax.jit(lambda a, b, f: ops.protected_matmul(a, b, policy=plain, faults=f))(xb, wb, two)
+print("two NaNs under the plain checks:", r.summary())""",
+    ),
+    (
+        "md",
         """## Attention: the checks inside a flash kernel
 
 With protection on, `attention_core` runs flash attention on a Hopper GPU (`ops.flash_attention`), with

@@ -3,7 +3,8 @@
 A block is then judged on r1 = Σ y - c1 alone and nothing is located: every detected block is
 recomputed (the loop, the device redo or ``recompute_blocks``). What it saves is check-GEMM work: on
 a GPU 4 bf16 columns per 128-column block instead of 7. What it gives up is c2's second test, which
-sees two errors of one block that cancel in the plain sum (shown below, at the finish).
+sees two errors of one block that cancel in the plain sum when |e|·|j_a - j_b| exceeds its bound,
+128·B1 (shown below, at the finish).
 """
 
 import contextlib

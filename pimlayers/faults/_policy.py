@@ -113,11 +113,12 @@ class FaultPolicy:
     # Form the position-weighted checks c2 = x·Σ (j+1) w_j beside the plain c1 = x·Σ w_j (True,
     # default), or not (False; needs locate=False in mode "correct": locating reads c2). c2 serves
     # location and a second detection test (|r2| <= 128·B1) that catches errors whose plain sums
-    # cancel within the bound (two in one 128-column block, of equal size and opposite sign); without
-    # it a block is judged on r1 alone. What it saves: the check GEMMs carry 4 bf16 columns per
-    # 128-column block instead of 7 on a GPU (c1's 3 terms and mag's 1, where c2 took 3 more), ~43%
-    # of the checks' GEMM work, which reads x for every protected product; the finish still reads y
-    # once. On the CPU the native checks form c2 anyway (one pass over x). Not yet measured on a GPU.
+    # cancel within the bound (two in one 128-column block, of equal size and opposite sign) when
+    # |e|·|j_a - j_b| exceeds 128·B1; without it a block is judged on r1 alone. What it saves: the
+    # check GEMMs carry 4 bf16 columns per 128-column block instead of 7 on a GPU (c1's 3 terms and
+    # mag's 1, where c2 took 3 more), ~43% of the checks' GEMM work, which reads x for every
+    # protected product; the finish still reads y once. On the CPU the native checks form c2 anyway
+    # (one pass over x). Not yet measured on a GPU.
     weighted_checks: bool = True
 
     def __post_init__(self) -> None:
