@@ -166,10 +166,20 @@ def test_bf16_training_with_the_device_redo_matches_the_loop(tmp_path):
     """``--recompute-kernel``: the bf16 step with every GEMM's recompute on the device kernel (here
     under Pallas' interpreter) corrects the same injected faults as the loop, to the same loss."""
     runs = [
-        T.train(_cfg(tmp_path / str(k), steps=3, dtype="bfloat16", gemm_fault_rate=1.0, recompute_kernel=k))
+        # One layer, two steps: the kernel's interpreted programs dominate the time (~20 s here).
+        T.train(
+            _cfg(
+                tmp_path / str(k),
+                steps=2,
+                layers=1,
+                dtype="bfloat16",
+                gemm_fault_rate=1.0,
+                recompute_kernel=k,
+            )
+        )
         for k in (False, True)
     ]
     (a, b) = runs
     assert a["gemm"] == b["gemm"] and a["gemm"]["gemm_uncorrectable"] == 0
-    assert a["injected"]["gemm_injected"] == 3 and a["gemm"]["gemm_corrected"] >= 3
+    assert a["injected"]["gemm_injected"] == 2 and a["gemm"]["gemm_corrected"] >= 2
     assert a["curve"][-1][1] == b["curve"][-1][1]
