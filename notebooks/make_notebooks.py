@@ -132,10 +132,20 @@ above recomputed.""",
         "code",
         """plain = FaultPolicy(weighted_checks=False, locate=False)
 enc = ops.abft_encode(wb, 128)
+
+def dot_columns(jaxpr):  # output columns of every dot in a traced program, nested ones included
+    total = 0
+    for e in jaxpr.eqns:
+        total += e.outvars[0].aval.shape[-1] if e.primitive.name == "dot_general" else 0
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                total += dot_columns(inner) if hasattr(inner, "eqns") else 0
+    return total
+
 for weighted in (True, False):
     fn = lambda a, w=weighted: ops.abft_checks(a, enc, lam=8.0, weighted=w, impl="reference")
-    cols_ = sum(e.outvars[0].aval.shape[-1] for e in jax.make_jaxpr(fn)(xb).eqns
-                if e.primitive.name == "dot_general")
+    cols_ = dot_columns(jax.make_jaxpr(fn)(xb).jaxpr)
     print(f"weighted_checks={weighted!s:5}: check-GEMM columns {cols_} for {enc.abs_sums.shape[-1]} blocks")
 # +8 and -8 in one block of an f32 product: r1 stays within its bound B1; r2 = (3 - 100) * 8 is far
 # beyond c2's, 128 B1 (a pair closer together or smaller passes c2 too).

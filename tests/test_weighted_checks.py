@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jaxpr_eqns
 from test_redo_kernel import _close, _pmm, _two_in_a_block, _xw
 
 from pimlayers import ops
@@ -63,7 +64,8 @@ def _check_columns(weighted: bool, m=256, k=512, n=1024) -> int:
     is what ``auto`` picks on a GPU), from the traced program."""
     x, _, enc = _enc_case(m, k, n, dtype=jnp.bfloat16)
     fn = lambda a: ops.abft_checks(a, enc, lam=8.0, weighted=weighted, impl="reference")
-    dots = [e.outvars[0].aval.shape for e in jax.make_jaxpr(fn)(x).eqns if e.primitive.name == "dot_general"]
+    eqns = jaxpr_eqns(jax.make_jaxpr(fn)(x).jaxpr)
+    dots = [e.outvars[0].aval.shape for e, _ in eqns if e.primitive.name == "dot_general"]
     assert dots and all(shape[0] == m for shape in dots), dots
     return sum(shape[1] for shape in dots)
 
