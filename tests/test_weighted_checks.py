@@ -173,6 +173,18 @@ def test_protected_matmul_recomputes_what_the_plain_check_detects(kernel, dtype)
     _close(y, clean)
 
 
+def test_recompute_blocks_rechecks_on_c1_alone():
+    """``recompute_blocks`` (the branch-free block redo through XLA) under the plain checks: a single
+    error and an unlocatable pair redone, checked again on c1 alone."""
+    x, w = _xw(96, 80, 300)
+    clean = jnp.matmul(x, w, preferred_element_type=jnp.bfloat16, precision="highest")
+    policy = PLAIN.replace(recompute_blocks=4, recompute_kernel=False)
+    for faults in (_single(clean), _two_in_a_block(clean, 17)):
+        y, r = _pmm(policy)(x, w, faults)
+        assert tuple(r.to_dict()[c] for c in COUNTS) == (1, 1, 1, 0)
+        _close(y, clean)
+
+
 def test_backward_gemms_check_c1_alone_and_recompute():
     """dx and dw under the plain checks: clean gradients equal the default's; a pair of errors in
     each is recomputed (nothing located), no recompile between fault patterns."""
