@@ -344,8 +344,7 @@ def abft_checks(
     carry 4 bf16 columns per 128-column block instead of 7 (3 terms of c1 and 1 of mag, where c2
     took 3 more); the native CPU pass forms both and c2 is zeroed.
     """
-    if not isinstance(weighted, bool | np.bool_):
-        raise TypeError(f"pimlayers.abft_checks: weighted={weighted!r}; expected a bool")
+    _check_weighted("abft_checks", False, weighted)
     weighted = bool(weighted)
     *g, k, nb = enc.abs_sums.shape
     if transposed and (x.ndim != len(g) + 2 or tuple(x.shape[:-2]) != tuple(g) or x.shape[-2] != k):
