@@ -21,6 +21,7 @@ python -m benchmarks.run --suite matmul-parts            # where a protected GEM
 python -m benchmarks.run --suite encode                  # the weight encodes' rates (pair, rows, transposed)
 python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
 python -m benchmarks.run --suite bounds                  # the verified flash attention's XLA-side bounds
+python -m benchmarks.run --suite checks                  # the GEMM checks: XLA's against the kernel's grids
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
@@ -42,6 +43,7 @@ from models.llama3 import REMAT_POLICIES
 from . import (
     abft_campaign,
     bounds,
+    checks,
     collectives,
     cpu_kernels,
     dispatch,
@@ -68,6 +70,7 @@ def main() -> None:
         "encode",
         "finish",
         "bounds",
+        "checks",
         "abft",
         "memory",
         "pim",
@@ -158,6 +161,7 @@ def main() -> None:
         ("encode", lambda: matmul.encodes(dtype=dtype)),
         ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
         ("bounds", bounds.run),
+        ("checks", lambda: checks.run(m=args.m)),
         ("abft", abft_campaign.run),
         ("memory", memory.run_store),
         ("pim", memory.run_pim),
@@ -184,7 +188,8 @@ def main() -> None:
             ),
         ),
     ):
-        if args.suite == name or (args.suite == "all" and name != "cpu-kernels"):  # (a CPU A/B)
+        # Not in "all": cpu-kernels (a CPU A/B) and checks (a grid sweep for the kernel's design).
+        if args.suite == name or (args.suite == "all" and name not in ("cpu-kernels", "checks")):
             rows = run()
             if not rows:
                 print(f"{name}: nothing to run on {len(jax.devices())} device(s)")

@@ -24,6 +24,21 @@ def test_abft_campaign_quick_has_no_false_positive_and_misses_nothing():
 
 
 @pytest.mark.slow
+def test_checks_suite_checks_every_grid_against_xlas_checks(monkeypatch):
+    from benchmarks import checks
+
+    # Small cases of the suite's two kinds (interpreted on a CPU): a forward check, a weight
+    # gradient's transposed one. Each grid's checks passed the comparison with XLA's (no _error).
+    cases = [("fwd", 40, 200, 384, False), ("dw", 96, 40, 256, True)]
+    monkeypatch.setattr(checks, "_cases", lambda m: cases)
+    rows = checks.run(m=40, grids=((16, 2), (32, 1)))
+    assert [r["op"] for r in rows] == ["fwd", "dw"]
+    for r in rows:
+        assert {"bm16_s2_us", "bm32_s1_us"} <= set(r), r
+        assert not any(k.endswith("_error") for k in r), r
+        assert r["columns"] == 7 * (384 if r["op"] == "fwd" else 256) // 128  # 3 + 3 + 1 terms a block
+
+
 def test_memory_suite_quick_runs_and_repairs():
     from benchmarks import memory
 

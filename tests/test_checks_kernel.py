@@ -109,6 +109,32 @@ def test_every_term_of_the_split_reaches_the_checks():
     ],
 )
 def test_the_kernel_multiplies_exactly_what_xla_does(g, r, k, wc, wm, a_t):
+    _exactly_xlas(g, r, k, wc, wm, a_t)
+
+
+@pytest.mark.parametrize(
+    ("g", "r", "k", "a_t", "bm", "splits"),
+    [
+        (1, 50, 200, False, 32, 3),  # 4 steps of K in 2 slices of 2; two row tiles, the last ragged
+        (2, 40, 300, True, 16, 2),  # 5 steps in 2 slices of 3: the last step past K, one ragged
+        (1, 20, 64, False, 16, 5),  # one step of K: one slice, whatever was asked
+    ],
+)
+def test_any_grid_multiplies_exactly_what_xla_does(g, r, k, a_t, bm, splits):
+    slices, steps = _checks_kernel._split_steps(k, splits)
+    assert (slices - 1) * steps < -(-k // 64) <= slices * steps  # every step in one slice, none empty
+    _exactly_xlas(g, r, k, 48, 8, a_t, bm=bm, splits=splits)
+
+
+def test_the_grid_arguments_are_checked():
+    enc = _weights((), 64, 256, 128)
+    x = _x((8, 64))
+    for kw, what in (({"bm": 48}, "bm=48"), ({"splits": 0}, "splits=0"), ({"splits": 2.0}, "splits=2.0")):
+        with pytest.raises(ValueError, match=what):
+            checks_kernel(x, enc.sums, enc.abs_sums, 3, 1, **kw)
+
+
+def _exactly_xlas(g, r, k, wc, wm, a_t, **grid):
     # Small integers: every product and partial sum is exact in f32, so any order of accumulation
     # gives XLA's result bit for bit, and a wrong index, mask or piece shows as a difference.
     ks = jax.random.split(jax.random.key(3), 3)
@@ -116,7 +142,7 @@ def test_the_kernel_multiplies_exactly_what_xla_does(g, r, k, wc, wm, a_t):
     x = ints(ks[0], (g, k, r) if a_t else (g, r, k))
     pc = ints(ks[1], (g, k, _checks_kernel._padded(wc)))
     pm = ints(ks[2], (g, k, _checks_kernel._padded(wm)))
-    got_c, got_m = _checks_kernel._call(x, pc, pm, a_t=a_t, interpret=True)
+    got_c, got_m = _checks_kernel._call(x, pc, pm, a_t=a_t, interpret=True, **grid)
     xr = jnp.swapaxes(x, 1, 2) if a_t else x
     want_c = jnp.matmul(xr, pc, preferred_element_type=jnp.float32)
     want_m = jnp.matmul(jnp.abs(xr), pm, preferred_element_type=jnp.float32)

@@ -45,8 +45,9 @@ __all__ = [
     "checks_kernel_wanted",
 ]
 
-_BM = 64  # rows per program: 128 programs at M = 8192, about one per SM of an H100 / H200
+_BM = 64  # rows per program (default): 128 programs at M = 8192, about one per SM of an H100 / H200
 _BK = 64  # K per step of the dot loop
+_BMS = (16, 32, 64, 128)  # rows per program a caller may ask for (Triton's dot wants >= 16)
 _MIN_PIECE = 16  # Triton's smallest dot width
 # Columns (the c and mag terms together, padded) a program accumulates: 64 x 384 f32 over 8 warps is
 # 96 registers a thread. Enough for attention's q/k/v together (368 padded) and every 4096-wide
@@ -117,57 +118,76 @@ def checks_kernel_applies(x, sums, c_terms: int, mag_terms: int, transposed: boo
     return _padded(2 * nb * c_terms) + _padded(nb * mag_terms) <= MAX_COLUMNS
 
 
-def _kernel(x_ref, pc_ref, pm_ref, oc_ref, om_ref, *, r, k, a_t, pieces_c, pieces_m):
-    """One (batch entry, tile of BM rows): every column of c's and mag's terms, over K."""
-    g, i = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(i * _BM, _BM)
-    rmask = i * _BM + jnp.arange(_BM) < r
+def _kernel(x_ref, pc_ref, pm_ref, oc_ref, om_ref, *, r, k, a_t, bm, steps, pieces_c, pieces_m):
+    """One (batch entry, tile of ``bm`` rows, slice of K): every column of c's and mag's terms over
+    its ``steps`` steps of K (all of K with one slice)."""
+    g, i, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(i * bm, bm)
+    rmask = i * bm + jnp.arange(bm) < r
 
     def step(s, accs):
-        ks = s * _BK + jnp.arange(_BK)
+        k0 = (sk * steps + s) * _BK
+        ks = k0 + jnp.arange(_BK)
         kmask = ks < k
-        x = load_a_tile(x_ref, g, rows, rmask, s * _BK, kmask, a_t)  # (BK, BM) with a_t
+        x = load_a_tile(x_ref, g, rows, rmask, k0, kmask, a_t)  # (BK, bm) with a_t
         ax = jnp.abs(x)  # exact: |x| of a bf16 value is a bf16 value
         operands = [(pc_ref, off, w, x) for off, w in pieces_c] + [
             (pm_ref, off, w, ax) for off, w in pieces_m
         ]
         out = []
         for acc, (ref, off, w, v) in zip(accs, operands, strict=True):
-            p = plt.load(ref.at[g, pl.ds(s * _BK, _BK), pl.ds(off, w)], mask=kmask[:, None], other=0.0)
+            p = plt.load(ref.at[g, pl.ds(k0, _BK), pl.ds(off, w)], mask=kmask[:, None], other=0.0)
             # bf16 x bf16 products are exact in f32; the accumulation is f32, as XLA's.
             out.append(acc + plt.dot(v, p, trans_a=a_t).astype(jnp.float32))
         return tuple(out)
 
-    init = tuple(jnp.zeros((_BM, w), jnp.float32) for _, w in (*pieces_c, *pieces_m))
-    accs = lax.fori_loop(0, pl.cdiv(k, _BK), step, init)
+    init = tuple(jnp.zeros((bm, w), jnp.float32) for _, w in (*pieces_c, *pieces_m))
+    # The last slice may hold fewer steps (and steps past K load nothing: kmask).
+    accs = lax.fori_loop(0, steps, step, init)
     outputs = [(oc_ref, off, w) for off, w in pieces_c] + [(om_ref, off, w) for off, w in pieces_m]
     for acc, (ref, off, w) in zip(accs, outputs, strict=True):
-        plt.store(ref.at[g, rows, pl.ds(off, w)], acc, mask=rmask[:, None])
+        plt.store(ref.at[sk, g, rows, pl.ds(off, w)], acc, mask=rmask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("a_t", "interpret"))
-def _call(x, pc, pm, *, a_t: bool, interpret: bool = False):
+def _split_steps(k: int, splits: int) -> tuple[int, int]:
+    """``(slices, steps per slice)``: K's ``_BK`` steps cut into at most ``splits`` slices of equal
+    step counts (fewer slices where K has fewer steps than ``splits``)."""
+    total = pl.cdiv(k, _BK)
+    steps = pl.cdiv(total, max(1, min(splits, total)))
+    return pl.cdiv(total, steps), steps
+
+
+@functools.partial(jax.jit, static_argnames=("a_t", "interpret", "bm", "splits"))
+def _call(x, pc, pm, *, a_t: bool, interpret: bool = False, bm: int = _BM, splits: int = 1):
     """``(x @ pc, |x| @ pm)`` in f32 for x (G, R, K) (``a_t``: (G, K, R)) and column sets (G, K, W)
-    whose widths are already padded to their pieces."""
+    whose widths are already padded to their pieces. ``bm`` rows per program; ``splits`` > 1 cuts K
+    into that many slices, each a program of its own (more programs in flight where M / bm is about
+    the GPU's SM count), whose partial sums are added afterwards, in slice order (f32)."""
     g = x.shape[0]
     r, k = (x.shape[2], x.shape[1]) if a_t else (x.shape[1], x.shape[2])
     wc, wm = pc.shape[-1], pm.shape[-1]
-    kern = functools.partial(_kernel, r=r, k=k, a_t=a_t, pieces_c=_pieces(wc), pieces_m=_pieces(wm))
+    slices, steps = _split_steps(k, splits)
+    kern = functools.partial(
+        _kernel, r=r, k=k, a_t=a_t, bm=bm, steps=steps, pieces_c=_pieces(wc), pieces_m=_pieces(wm)
+    )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=8, num_stages=3))
-    return pl.pallas_call(
+    # 8 warps hold 64 rows x 384 f32 columns in 96 registers a thread; fewer rows, fewer warps.
+    warps = 8 if bm >= 64 else 4
+    params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=warps, num_stages=3))
+    yc, ym = pl.pallas_call(
         kern,
         out_shape=(
-            jax.ShapeDtypeStruct((g, r, wc), jnp.float32),
-            jax.ShapeDtypeStruct((g, r, wm), jnp.float32),
+            jax.ShapeDtypeStruct((slices, g, r, wc), jnp.float32),
+            jax.ShapeDtypeStruct((slices, g, r, wm), jnp.float32),
         ),
-        grid=(g, pl.cdiv(r, _BM)),
+        grid=(g, pl.cdiv(r, bm), slices),
         in_specs=[any_spec] * 3,
         out_specs=(any_spec, any_spec),
         interpret=interpret,
         name="pimlayers_checks_kernel",
         **params,
     )(x, pc, pm)
+    return yc.sum(0), ym.sum(0)
 
 
 def _pad_to_pieces(p: jax.Array) -> jax.Array:
@@ -184,12 +204,20 @@ def checks_kernel(
     *,
     transposed: bool = False,
     interpret: bool | None = None,
+    bm: int = _BM,
+    splits: int = 1,
 ) -> tuple[Float[Array, "*g m nb 2"], Float[Array, "*g m nb"]]:
     """``(c, mag)`` as ``_abft._checks_reference`` forms them for a bf16 x (``abs_sums`` already
     scaled as it scales them), from one read of x. ``interpret``: Pallas' interpreter (default: on
-    a CPU); on a GPU the Triton kernel. Shapes as :func:`checks_kernel_applies` takes them."""
+    a CPU); on a GPU the Triton kernel. Shapes as :func:`checks_kernel_applies` takes them. ``bm``
+    (16, 32, 64 or 128) rows per program and ``splits`` slices of K, each a program of its own: the
+    grid's size (``benchmarks.checks_sweep`` times the choices)."""
     from ._abft import _split_parts, _sum_terms
 
+    if bm not in _BMS:
+        raise ValueError(f"pimlayers.checks_kernel: bm={bm!r}; expected one of {_BMS}")
+    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+        raise ValueError(f"pimlayers.checks_kernel: splits={splits!r}; expected an int >= 1")
     if not checks_kernel_applies(x, sums, c_terms, mag_terms, transposed):
         raise ValueError(
             f"pimlayers.checks_kernel: x {x.dtype}{tuple(x.shape)} against sums {tuple(sums.shape)} "
@@ -207,7 +235,7 @@ def checks_kernel(
     pc = _pad_to_pieces(_split_parts(s3, c_terms))
     pm = _pad_to_pieces(_split_parts(a3, mag_terms))
     interp = jax.devices()[0].platform == "cpu" if interpret is None else interpret
-    yc, ym = _call(x3, pc, pm, a_t=transposed, interpret=interp)
+    yc, ym = _call(x3, pc, pm, a_t=transposed, interpret=interp, bm=bm, splits=splits)
     rows = yc.shape[1]
     c = _sum_terms(yc[..., : c_terms * 2 * nb], c_terms, 2 * nb)
     mag = _sum_terms(ym[..., : mag_terms * nb], mag_terms, nb)
