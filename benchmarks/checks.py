@@ -90,6 +90,11 @@ def run(m: int = 8192, grids=GRIDS, seed: int = 0) -> list[dict]:
             if timed:
                 best = min(timed, key=timed.get)
                 row.update(best=best, best_us=timed[best], best_reads=timed[best] / row["read_us"])
+                # The plain checks (c1 alone) on the best grid, against XLA's plain checks.
+                bm, splits = (int(v) for v in best[2:].split("_s"))  # "bm{bm}_s{splits}"
+                plain_args = (x, enc, abs_sums, plain(x, enc), name + " plain", c_terms, mag_terms)
+                got = _grids(*plain_args, transposed, ((bm, splits),), weighted=False)
+                row.update({f"plain_{kk}": v for kk, v in got.items()})
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -101,11 +106,11 @@ def _us(fn, *args) -> float | None:
     return us or None
 
 
-def _grids(x, enc, abs_sums, want, name, c_terms, mag_terms, transposed, grids) -> dict:
+def _grids(x, enc, abs_sums, want, name, c_terms, mag_terms, transposed, grids, weighted=True) -> dict:
     """``bm{B}_s{S}_us`` per grid, or ``..._error`` where its checks are not XLA's."""
     row = {}
     for bm, splits in grids:
-        grid = dict(transposed=transposed, bm=bm, splits=splits)
+        grid = dict(transposed=transposed, bm=bm, splits=splits, weighted=weighted)
         fn = jax.jit(functools.partial(checks_kernel, c_terms=c_terms, mag_terms=mag_terms, **grid))
         key = f"bm{bm}_s{splits}"
         try:

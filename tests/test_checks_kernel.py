@@ -175,6 +175,35 @@ def test_it_takes_the_checks_it_can_hold_and_refuses_the_rest():
         checks_kernel(x, wide, wide[..., 0], 3, 1)
 
 
+@pytest.mark.parametrize(("x_shape", "g", "transposed"), [((70, 200), (), False), ((2, 200, 40), (2,), True)])
+def test_the_plain_checks_are_the_xla_plain_checks(x_shape, g, transposed):
+    # FaultPolicy(weighted_checks=False): c1's terms alone (and mag), c2 zero, as abft_checks'.
+    enc = _weights(g, 200, 384, 128)
+    x = _x(x_shape)
+    c_terms, mag_terms, scale = _abft._check_terms(200, 8.0)
+    want = _abft._checks_reference(x, enc, transposed, 8.0, weighted=False)
+    got = checks_kernel(
+        x,
+        enc.sums,
+        enc.abs_sums * jnp.float32(scale),
+        c_terms,
+        mag_terms,
+        transposed=transposed,
+        weighted=False,
+    )
+    _same_checks("plain checks kernel", want, got, x, enc, transposed)
+    assert not np.any(np.asarray(got[0][..., 1]))
+
+
+def test_the_plain_checks_take_twice_the_blocks():
+    # 3 + 1 columns a block instead of 3 + 3 + 1: 80 blocks (a 10240-wide product) take 240 + 80
+    # columns plain, within MAX_COLUMNS, and 480 + 80 weighted, past it.
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    sums = jnp.zeros((4096, 80, 2), jnp.float32)
+    assert checks_kernel_applies(x, sums, 3, 1, False, weighted=False)
+    assert not checks_kernel_applies(x, sums, 3, 1, False)
+
+
 def test_it_is_wanted_only_when_asked_on_a_gpu(monkeypatch):
     # Asked for on a CPU-only process: not wanted (the interpreter would stand in for a GPU).
     monkeypatch.setenv("PIMLAYERS_CHECKS_KERNEL", "1")

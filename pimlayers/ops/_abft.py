@@ -359,8 +359,8 @@ def abft_checks(
             f"pimlayers.abft_checks: x has shape {tuple(x.shape)}; expected K = {k} on its "
             f"{'second-to-last' if transposed else 'last'} axis for checksums of {tuple(enc.sums.shape)}"
         )
-    if impl == "auto" and x.dtype == jnp.bfloat16 and weighted:  # the opt-in kernel forms both
-        reference = _with_checks_kernel(reference, x, enc, k, transposed, lam)
+    if impl == "auto" and x.dtype == jnp.bfloat16:  # the opt-in one-read kernel
+        reference = _with_checks_kernel(reference, x, enc, k, transposed, lam, weighted)
     if transposed:
         # xᵀ @ s contracts over x's leading axis, the one a data-parallel x is split over: XLA
         # sums the devices' partial dots, where this custom call would have x gathered to each
@@ -400,7 +400,9 @@ def _without_c2(fn):
     return call
 
 
-def _with_checks_kernel(reference, x, enc: WeightChecksums, k: int, transposed: bool, lam):
+def _with_checks_kernel(
+    reference, x, enc: WeightChecksums, k: int, transposed: bool, lam, weighted: bool = True
+):
     """``reference``, or where this process asked for the one-read checks kernel and it takes these
     checks (``_checks_kernel``: ``PIMLAYERS_CHECKS_KERNEL=1``, an NVIDIA GPU), the kernel where a GPU
     lowers them and ``reference`` elsewhere. x's rows are split over devices as they come (each
@@ -410,14 +412,17 @@ def _with_checks_kernel(reference, x, enc: WeightChecksums, k: int, transposed: 
     from ._checks_kernel import checks_kernel, checks_kernel_applies, checks_kernel_wanted
 
     c_terms, mag_terms, scale = _check_terms(k, lam)
-    if not (checks_kernel_wanted() and checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed)):
+    applies = checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed, weighted)
+    if not (checks_kernel_wanted() and applies):
         return reference
     if transposed and jax.device_count() > 1:
         return reference
 
     def kernel(v, s, a):
         a = a if scale == 1.0 else a * jnp.float32(scale)  # as _checks_reference scales them
-        return checks_kernel(v, s, a, c_terms, mag_terms, transposed=transposed, interpret=False)
+        return checks_kernel(
+            v, s, a, c_terms, mag_terms, transposed=transposed, interpret=False, weighted=weighted
+        )
 
     def switch(v, s, a):
         return lax.platform_dependent(v, s, a, cuda=kernel, default=reference)

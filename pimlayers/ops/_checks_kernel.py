@@ -101,11 +101,14 @@ def _gpu_runs_it() -> bool:
     return jax.devices()[0].platform != "cpu" and _device_runs_it()
 
 
-def checks_kernel_applies(x, sums, c_terms: int, mag_terms: int, transposed: bool) -> bool:
+def checks_kernel_applies(
+    x, sums, c_terms: int, mag_terms: int, transposed: bool, weighted: bool = True
+) -> bool:
     """Whether :func:`checks_kernel` takes these checks: a bf16 x (the split-term checks; an f16 or
     f32 x has XLA's f32 GEMMs) of one weight's checks (sums (K, nb, 2)) or a batch matching the
     weights' (x (G, R, K) or, ``transposed``, (G, K, R) against sums (G, K, nb, 2)), non-empty, and
-    at most ``MAX_COLUMNS`` columns padded."""
+    at most ``MAX_COLUMNS`` columns padded (c1's and c2's terms, or ``weighted=False`` c1's alone,
+    and mag's)."""
     if x.dtype != jnp.bfloat16 or plt is None:
         return False
     *g, _, nb, _ = sums.shape
@@ -115,7 +118,7 @@ def checks_kernel_applies(x, sums, c_terms: int, mag_terms: int, transposed: boo
         return False
     if min(x.shape, default=0) <= 0 or nb <= 0:
         return False
-    return _padded(2 * nb * c_terms) + _padded(nb * mag_terms) <= MAX_COLUMNS
+    return _padded((2 if weighted else 1) * nb * c_terms) + _padded(nb * mag_terms) <= MAX_COLUMNS
 
 
 def _kernel(x_ref, pc_ref, pm_ref, oc_ref, om_ref, *, r, k, a_t, bm, steps, pieces_c, pieces_m):
@@ -206,39 +209,45 @@ def checks_kernel(
     interpret: bool | None = None,
     bm: int = _BM,
     splits: int = 1,
+    weighted: bool = True,
 ) -> tuple[Float[Array, "*g m nb 2"], Float[Array, "*g m nb"]]:
     """``(c, mag)`` as ``_abft._checks_reference`` forms them for a bf16 x (``abs_sums`` already
     scaled as it scales them), from one read of x. ``interpret``: Pallas' interpreter (default: on
     a CPU); on a GPU the Triton kernel. Shapes as :func:`checks_kernel_applies` takes them. ``bm``
     (16, 32, 64 or 128) rows per program and ``splits`` slices of K, each a program of its own: the
-    grid's size (``benchmarks.checks_sweep`` times the choices)."""
+    grid's size (``python -m benchmarks.run --suite checks`` times the choices). ``weighted=False``:
+    c1 alone (half of c's columns); c[..., 1] is 0, as ``abft_checks(weighted=False)`` returns it."""
     from ._abft import _split_parts, _sum_terms
 
     if bm not in _BMS:
         raise ValueError(f"pimlayers.checks_kernel: bm={bm!r}; expected one of {_BMS}")
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"pimlayers.checks_kernel: splits={splits!r}; expected an int >= 1")
-    if not checks_kernel_applies(x, sums, c_terms, mag_terms, transposed):
+    if not checks_kernel_applies(x, sums, c_terms, mag_terms, transposed, weighted):
         raise ValueError(
             f"pimlayers.checks_kernel: x {x.dtype}{tuple(x.shape)} against sums {tuple(sums.shape)} "
             f"(transposed={transposed}, {c_terms} + {mag_terms} terms); expected a bf16 x of one weight's "
             f"checks or a batch matching the weights', at most {MAX_COLUMNS} columns padded"
         )
     *g, k, nb, _ = sums.shape
+    per = 2 if weighted else 1  # c1 and c2 per block, or c1 alone
+    sums = sums if weighted else sums[..., :1]
     lead = x.shape[:-1] if not g else x.shape[:-2]
     if not g:  # one weight: x's rows, flattened
         x3 = x.reshape(1, -1, k)
-        s3, a3 = sums.reshape(1, k, 2 * nb), abs_sums.reshape(1, k, nb)
+        s3, a3 = sums.reshape(1, k, per * nb), abs_sums.reshape(1, k, nb)
     else:
         x3 = x.reshape(-1, *x.shape[-2:])
-        s3, a3 = sums.reshape(-1, k, 2 * nb), abs_sums.reshape(-1, k, nb)
+        s3, a3 = sums.reshape(-1, k, per * nb), abs_sums.reshape(-1, k, nb)
     pc = _pad_to_pieces(_split_parts(s3, c_terms))
     pm = _pad_to_pieces(_split_parts(a3, mag_terms))
     interp = jax.devices()[0].platform == "cpu" if interpret is None else interpret
     yc, ym = _call(x3, pc, pm, a_t=transposed, interpret=interp, bm=bm, splits=splits)
     rows = yc.shape[1]
-    c = _sum_terms(yc[..., : c_terms * 2 * nb], c_terms, 2 * nb)
+    c = _sum_terms(yc[..., : c_terms * per * nb], c_terms, per * nb)
     mag = _sum_terms(ym[..., : mag_terms * nb], mag_terms, nb)
+    if not weighted:  # (..., nb) -> (..., nb, 2) with c2 zero
+        c = jnp.stack([c, jnp.zeros_like(c)], axis=-1)
     if not g:
         return c.reshape(*lead, nb, 2), mag.reshape(*lead, nb)
     return c.reshape(*lead, rows, nb, 2), mag.reshape(*lead, rows, nb)
