@@ -60,7 +60,8 @@ def run(
     "full" recomputes them (the training script's default: less memory). ``plain_checks`` adds a
     protected step with ``FaultPolicy(weighted_checks=False, locate=False)``: every GEMM checked
     against its plain checksums alone (4 check columns per 128-column block on a GPU instead of 7),
-    every detected block recomputed."""
+    every detected block recomputed; with ``fused`` too, also the fused forward GEMM with the plain
+    checks, which its kernel then forms itself from its own read of x (``fused_gemm_checked``)."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -80,6 +81,8 @@ def run(
     configs += [(True, False, "auto", None, False, None, True)] if no_recompute else []
     configs += [(True, True, "auto", None, False, None, True)] if no_recompute and fused else []
     configs += [(True, False, "auto", None, True, None, False)] if plain_checks else []
+    # Both: the fused forward GEMM forms the plain checks itself (no check GEMMs in the forward).
+    configs += [(True, True, "auto", None, True, None, False)] if plain_checks and fused else []
     for protect, fz, flash, rb, redo, kernel, weighted in configs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(

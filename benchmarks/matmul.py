@@ -15,7 +15,9 @@ device kernel), timed in the same run at 128-column blocks on a Hopper GPU only.
 ``fused_redo_kernel`` the fused GEMM with it. ``c1_only`` is ``FaultPolicy(weighted_checks=False,
 locate=False)`` (the plain checksums alone: 4 check columns per 128-column block on a GPU instead of
 7; every detected block recomputed), timed where the checks are XLA's GEMMs (not a CPU-only process,
-whose native checks form both).
+whose native checks form both). ``fused_c1`` is both (``FaultPolicy(fused=True, weighted_checks=False,
+locate=False)``): on a Hopper GPU the fused kernel then forms c1 and mag itself from its own read of x
+(``fused_gemm_checked``), so no check GEMM runs; timed with ``fused``, alternating as ``ratio``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pimlayers.ops._abft import (
     pair_applies,
 )
 from pimlayers.ops._checks_kernel import checks_kernel, checks_kernel_applies
-from pimlayers.ops._fused_gemm import TILE, fused_gemm, hopper
+from pimlayers.ops._fused_gemm import TILE, check_tiles, fused_gemm, fused_gemm_checked, hopper
 from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
 
 from ._harness import time_fn, time_pair
@@ -114,9 +116,11 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
     with_c1 = policy.block_n is not None and _c1_checks_timed()
     c1_policy = policy.replace(weighted_checks=False, locate=False)
     c1 = pairs(m, k, n, dtype, c1_policy) if with_c1 else None
+    # The fused path with the plain checks: c1 and mag from the fused kernel itself (no check GEMMs).
+    fused_c1 = pairs(m, k, n, dtype, c1_policy.replace(fused=True)) if with_fused else None
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
-    others = [c["fwd"][1] for c in (fused, loop, ck, c1) if c is not None]
+    others = [c["fwd"][1] for c in (fused, loop, ck, c1, fused_c1) if c is not None]
     for f in (prot, *others):
         y1, rep = f(*args_q)
         err = float(jnp.max(jnp.abs(y0.astype(jnp.float32) - y1.astype(jnp.float32))))
@@ -128,6 +132,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
             _check_redo(policy.replace(fused=True), args_q, y0, f"fused {k}->{n}")
         if with_c1:
             _check_redo(c1_policy, args_q, y0, f"plain checks {k}->{n}")
+        if with_fused:
+            _check_redo(c1_policy.replace(fused=True), args_q, y0, f"fused plain checks {k}->{n}")
     flops = 2.0 * m * k * n
     t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
     extra = {}
@@ -140,6 +146,8 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra |= _pair_cols(plain, args_p, ck["fwd"][1], args_q, "checks_kernel")
     if with_c1:
         extra |= _pair_cols(plain, args_p, c1["fwd"][1], args_q, "c1_only")
+    if with_fused:
+        extra |= _pair_cols(plain, args_p, fused_c1["fwd"][1], args_q, "fused_c1")
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
     plain_g, prot_g, args_p, args_q = cases["fwd+bwd"]
@@ -167,8 +175,21 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra["checks_kernel_grad_diff"] = ck_gerr
     if with_c1:
         extra |= _pair_cols(plain_g, args_p, c1["fwd+bwd"][1], args_q, "c1_only")
+    if with_fused:
+        extra |= _pair_cols(plain_g, args_p, fused_c1["fwd+bwd"][1], args_q, "fused_c1")
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows
+
+
+def _fused_checked(x, w, enc: WeightChecksums):
+    """``(fn, args)``: the fused kernel with the plain checks (``fused_gemm_checked``) alone, its check
+    tiles built from ``enc`` as the protected GEMM builds them (default λ)."""
+    from pimlayers.ops._abft import _check_terms
+
+    k = x.shape[-1]
+    c_terms, mag_terms, scale = _check_terms(k, FaultPolicy().lam)
+    tiles, terms = check_tiles(enc.sums[..., 0], enc.abs_sums * jnp.float32(scale), c_terms, mag_terms)
+    return jax.jit(lambda a, b, t: fused_gemm_checked(a, b, t, terms)), (x, w, tiles)
 
 
 def _c1_checks_timed() -> bool:
@@ -425,6 +446,11 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
             if block_n == TILE and hopper():  # elsewhere "fused" would time the default again
                 fns["protected_fused"] = protected(policy.replace(fused=True))
                 fns["fused_kernel"] = (jax.jit(fused_gemm), (x, w))
+                # With the plain checks the fused kernel forms c1 and mag itself: no check GEMMs.
+                fns["protected_fused_c1"] = protected(
+                    policy.replace(fused=True, weighted_checks=False, locate=False)
+                )
+                fns["fused_checked_kernel"] = _fused_checked(x, w, enc)
             want, got = (fns[f][0](w) for f in ("encode_transposed", "encode_transposed_gemm"))
             for a, b in zip(want, got, strict=True):  # equal to f32 rounding (another summation order)
                 np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(a).max()))
@@ -445,7 +471,7 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                         f"encode_pair_native ({'transposed' if t else 'plain'}) {k}->{n}", ref, got, width
                     )
             _no_false_detection(fns["protected"], f"protected {k}->{n}")  # the default: must pass
-            for v in ("redo_blocks", "loop", "fused", "checks_kernel"):  # the others: dropped if not
+            for v in ("redo_blocks", "loop", "fused", "fused_c1", "checks_kernel"):  # dropped if not
                 name = f"protected_{v}"
                 if name in fns:
                     _refused(fns, errors, (name,), _no_false_detection, fns[name], f"{name} {k}->{n}")
@@ -464,6 +490,8 @@ def parts(m: int = 8192, shapes=((4096, 14336), (4096, 1024)), dtype=jnp.bfloat1
                 row["ratio_loop"] = row["plain_ms"] / row["protected_loop_ms"]
             if "protected_fused_ms" in row:
                 row["ratio_fused"] = row["plain_ms"] / row["protected_fused_ms"]
+            if "protected_fused_c1_ms" in row:
+                row["ratio_fused_c1"] = row["plain_ms"] / row["protected_fused_c1_ms"]
             if "protected_checks_kernel_ms" in row:
                 row["ratio_checks_kernel"] = row["plain_ms"] / row["protected_checks_kernel_ms"]
             rows.append(row)

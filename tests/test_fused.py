@@ -39,6 +39,8 @@ def fused(monkeypatch):
     """The fused path on this machine: the Hopper kernel on a Hopper GPU, else its reference."""
     if not _fused_gemm.hopper():
         monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
+        checked = _fused_gemm.fused_gemm_checked_reference
+        monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: checked)
     return _protected_matmul._fused_kernel()
 
 
@@ -282,8 +284,75 @@ def test_kernel_matches_reference_on_hopper(shape):
         _fused_gemm.fused_gemm(x.astype(jnp.float32), w.astype(jnp.float32))
 
 
+def _checked_inputs(x, w, lam=8.0):
+    """The checked kernel's tiles for w at λ (the plain checks' terms, mag's scaled as the check's)."""
+    from pimlayers.ops._abft import _check_terms
+
+    k = x.shape[1]
+    enc = ops.abft_encode(w, 128)
+    c_terms, mag_terms, scale = _check_terms(k, lam)
+    tiles, terms = _fused_gemm.check_tiles(
+        enc.sums[..., 0], enc.abs_sums * jnp.float32(scale), c_terms, mag_terms
+    )
+    return enc, tiles, terms
+
+
+@pytest.mark.parametrize(("k", "lam"), [(192, 8.0), (4096, 64.0)])  # 3 + 1 terms, and 2 + 1
+def test_check_tiles_give_the_plain_checks(k, lam):
+    # The reference of the checked kernel (what the kernel must equal) forms abft_checks' plain
+    # checks: c1 and mag of every block, from the tiles' layout (pairs of blocks, K-major).
+    x, w = _xw(64, k, 512, seed=3)
+    enc, tiles, terms = _checked_inputs(x, w, lam)
+    assert tiles.shape == (2, 2, _fused_gemm.CS, k) and tiles.dtype == jnp.bfloat16
+    y, s = _fused_gemm.fused_gemm_checked_reference(x, w, tiles, terms)
+    y0, s0 = _fused_gemm.fused_gemm_reference(x, w)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(s[:2]), np.asarray(s0))
+    c, mag = ops.abft_checks(x, enc, lam=lam, weighted=False, impl="reference")
+    from benchmarks.matmul import _same_checks
+
+    got_c = jnp.stack([s[2].T, jnp.zeros_like(s[2].T)], axis=-1)
+    _same_checks("check tiles", (c, mag), (got_c, s[3].T), x, enc)
+    with pytest.raises(ValueError, match="even number of blocks"):
+        _fused_gemm.check_tiles(enc.sums[:, :3, 0], enc.abs_sums[:, :3], 3, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 64, 256), (512, 192, 768), (1024, 4096, 1024)])
+def test_checked_kernel_matches_reference_on_hopper(shape):
+    """The kernel with the checks: y and s1, s2 as the plain kernel's, c1 and mag equal to the
+    reference's (f32 sums of exact products in other orders), and a clean product passes the
+    plain check on them."""
+    if not _fused_gemm.hopper():
+        pytest.skip("the fused kernel runs on Hopper GPUs only")
+    from pimlayers.ops._checks_kernel import accumulation_tolerance
+    from pimlayers.ops._fused_check import sums_flags
+
+    m, k, n = shape
+    x, w = _xw(m, k, n, seed=m)
+    _, tiles, terms = _checked_inputs(x, w)
+    y, s = jax.jit(_fused_gemm.fused_gemm_checked, static_argnums=3)(x, w, tiles, terms)
+    y_r, s_r = jax.jit(_fused_gemm.fused_gemm_checked_reference, static_argnums=3)(x, w, tiles, terms)
+    yf, yf_r = np.asarray(y, np.float32), np.asarray(y_r, np.float32)
+    np.testing.assert_allclose(yf, yf_r, rtol=2**-7, atol=2e-8 * k)
+    np.testing.assert_allclose(np.asarray(s[:2]), np.asarray(s_r[:2]), rtol=1e-5, atol=128 * 2e-8 * k)
+    # c1 and mag: within the f32 accumulation's reordering of their magnitude (mag itself for both:
+    # |x|·|c1's terms| <= mag up to the scale).
+    tol = accumulation_tolerance(k) * np.asarray(s_r[3], np.float64)
+    for i in (2, 3):
+        assert np.all(np.abs(np.asarray(s[i], np.float64) - np.asarray(s_r[i], np.float64)) <= tol + 1e-30), i
+    zeros = jnp.zeros_like(s[0].T)
+    flags = sums_flags(s[0].T, s[1].T, s[2].T, zeros, s[3].T, k, 128.0, 8.0, weighted=False)
+    assert int(jnp.sum(flags)) == 0
+    with pytest.raises(ValueError, match="does not tile"):
+        _fused_gemm.fused_gemm_checked(x[:100], w, tiles, terms)
+    with pytest.raises(ValueError, match="expected bfloat16"):
+        _fused_gemm.fused_gemm_checked(x, w, tiles[:1], terms)
+
+
+@pytest.mark.parametrize("checked", [False, True])  # (the plain checks from the kernel itself)
 @pytest.mark.parametrize("rows_each", [128, 64])
-def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each):
+def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each, checked):
     """x's rows split over 8 devices: each device's call sees its rows alone, y and the sums come
     back split as x was, and a fault on one device's rows is redone by the device redo (itself
     partitioned; the two-tile redo's gathers and slices are XLA's, which gathers y to every
@@ -292,14 +361,21 @@ def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each):
     calls = {"kernel": [], "reference": []}
 
     def recorded(name):
-        def call(a, b, config=None):
+        def call(a, b, *rest):
             calls[name].append(a.shape)
-            return _fused_gemm.fused_gemm_reference(a, b, config)
+            if checked:
+                return _fused_gemm.fused_gemm_checked_reference(a, b, *rest)
+            return _fused_gemm.fused_gemm_reference(a, b, *rest)
 
         return call
 
-    monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: recorded("kernel"))
-    monkeypatch.setattr(_fused_rows, "fused_gemm_reference", recorded("reference"))
+    monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
+    name = "_fused_checked_kernel" if checked else "_fused_kernel"
+    monkeypatch.setattr(_protected_matmul, name, lambda: recorded("kernel"))
+    ref = "fused_gemm_checked_reference" if checked else "fused_gemm_reference"
+    monkeypatch.setattr(_fused_rows, ref, recorded("reference"))
+    policy = FUSED.replace(recompute_kernel=True)
+    policy = policy.replace(weighted_checks=False, locate=False) if checked else policy
     m = rows_each * cpu_mesh.size
     x, w = _xw(m=m)
     clean = _plain(x, w)
@@ -307,7 +383,7 @@ def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each):
     sites = _sites([row], [_big(clean, row, 0, 128)], [30])
     xs = jax.device_put(x, NamedSharding(cpu_mesh, P("d")))
     ws = jax.device_put(w, NamedSharding(cpu_mesh, P()))
-    f = _pmm(FUSED.replace(recompute_kernel=True))
+    f = _pmm(policy)
     y, r = f(xs, ws, sites)
     d = r.to_dict()
     assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 1, 0)
@@ -323,9 +399,10 @@ def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each):
     assert set(calls["kernel"] + calls["reference"]) <= {(rows_each, K), (m, K)}
     # Without the partitioning the call sees the whole x (here XLA's reference stands in for the
     # kernel and XLA splits it; a GPU's kernel is one opaque call, for which XLA gathers x).
-    monkeypatch.setattr(_protected_matmul, "fused_rows", lambda kernel, a, b, cfg: kernel(a, b, cfg))
+    unsplit = lambda kernel, a, b, cfg, *t: kernel(a, b, *t, cfg)
+    monkeypatch.setattr(_protected_matmul, "fused_rows", unsplit)
     calls["kernel"].clear()
-    _pmm(FUSED.replace(recompute_kernel=True)).lower(xs, ws, sites).compile()
+    _pmm(policy).lower(xs, ws, sites).compile()
     assert calls["kernel"] == [(m, K)]
 
 
@@ -346,12 +423,23 @@ def test_under_vmap_each_gemm_is_checked_and_redone_alone(fused):
     _assert_redone(y[1], clean[1])
 
 
-@pytest.mark.parametrize("kernel", [False, True])  # redo_tiles, the device redo (interpreted here)
-def test_plain_checks_on_the_fused_path(fused, kernel):
+# redo_tiles, the device redo (interpreted here); the checks from the kernel or from XLA's GEMMs
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_plain_checks_on_the_fused_path(fused, monkeypatch, kernel, in_kernel):
     """FaultPolicy(fused=True, weighted_checks=False, locate=False): the fused kernel's s1 against c1
-    alone; clean equals the weighted fused path's output, a fault in two tiles is redone."""
+    alone, c1 and mag formed by the kernel itself (``fused_gemm_checked``: no check GEMMs) or, where
+    it does not run, by ``abft_checks``; clean equals the weighted fused path's output, a fault in
+    two tiles is redone."""
     policy = FUSED.replace(weighted_checks=False, locate=False, recompute_kernel=kernel)
+    calls = []
+    checks = _protected_matmul.abft_checks
+    monkeypatch.setattr(_protected_matmul, "abft_checks", lambda *a, **k: calls.append(1) or checks(*a, **k))
+    if not in_kernel:
+        monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: None)
     x, w = _xw()
+    jax.jit(lambda a, b: ops.protected_matmul(a, b, policy=policy)).lower(x, w)
+    assert len(calls) == (0 if in_kernel else 1)
     clean = _plain(x, w)
     none = _sites([-1], [0], [0])
     y0, r0 = _pmm(policy)(x, w, none)

@@ -113,6 +113,12 @@ def test_fused_gemm_kernel_matches_the_reference(interpreted, shape):
 
 
 @in_process
+@pytest.mark.parametrize("shape", [(256, 64, 256), (256, 192, 512)])
+def test_checked_fused_gemm_kernel_matches_the_reference(interpreted, shape):
+    gpu_gemm.test_checked_kernel_matches_reference_on_hopper(shape)
+
+
+@in_process
 def test_pipelines_have_no_races(interpreted):
     """The race detector (vector clocks through the barriers) over a forward with three key blocks per
     CTA, so the two-stage K/V pipeline refills its slots, and a GQA backward. The detector's state is
@@ -164,6 +170,7 @@ CASES = {  # the default run's cases, each in a fresh process
     "backward-flags-dk": lambda: test_backward_kernels_flag_the_flipped_rows(None, "dk"),
     "backward-flags-scores": lambda: test_backward_kernels_flag_the_flipped_rows(None, "scores"),
     "fused-gemm": lambda: test_fused_gemm_kernel_matches_the_reference(None, (256, 64, 256)),
+    "fused-gemm-checked": lambda: test_checked_fused_gemm_kernel_matches_the_reference(None, (256, 192, 512)),
     "races": lambda: test_pipelines_have_no_races(None),
     # The device redo: only flagged CTAs rewritten, bit for bit the fault-free kernels' rows.
     "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(None, REDO_FWD),

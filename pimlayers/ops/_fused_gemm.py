@@ -32,9 +32,21 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, BFloat16, Float
 
-__all__ = ["FusedConfig", "fused_gemm", "fused_gemm_reference", "fused_gemm_supported", "hopper"]
+__all__ = [
+    "CS",
+    "FusedConfig",
+    "check_tiles",
+    "fused_gemm",
+    "fused_gemm_checked",
+    "fused_gemm_checked_reference",
+    "fused_gemm_checked_supported",
+    "fused_gemm_reference",
+    "fused_gemm_supported",
+    "hopper",
+]
 
 TILE = 128  # rows and columns of one warpgroup's accumulator tile = the ABFT block width
+CS = 8  # columns of a check tile: wgmma's smallest N
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +90,102 @@ def fused_gemm_supported(m: int, k: int, n: int, dtype, config: FusedConfig | No
         and k % cfg.tile_k == 0
         and k > 0
     )
+
+
+def fused_gemm_checked_supported(m: int, k: int, n: int, dtype, config: FusedConfig | None = None) -> bool:
+    """Shapes the kernel with the checks takes: the plain kernel's, with its two warpgroups side by
+    side along N (``wg_m=False``: they share x's rows, so one forms both blocks' c1 and the other
+    their mag)."""
+    cfg = config or FusedConfig()
+    return not cfg.wg_m and fused_gemm_supported(m, k, n, dtype, cfg)
+
+
+def check_tiles(
+    sums: Float[Array, "k nb"], abs_sums: Float[Array, "k nb"], c_terms: int, mag_terms: int
+) -> tuple[BFloat16[Array, "p 2 cs k"], int]:
+    """``(tiles, terms)``: a block's plain checksum column (``sums``, c1's) and absolute column
+    (``abs_sums``, already scaled as the check's λ asks) split into bf16 terms (``_abft._split_parts``:
+    their sum is the f32 column to 2^-8 per term) and laid out per pair of blocks p (one CTA's
+    columns) as two K-major (CS, K) tiles: tiles[p, 0] rows [0, terms) block 2p's c1 terms, [terms,
+    2 terms) block 2p + 1's, zeros after; tiles[p, 1] the same of the absolute columns. ``terms`` =
+    the larger of the two counts (a term row one side lacks is zero)."""
+    from ._abft import _split_parts
+
+    k, nb = sums.shape
+    terms = max(c_terms, mag_terms)
+    if nb % 2 or 2 * terms > CS:
+        raise ValueError(
+            f"pimlayers.check_tiles: {nb} blocks and {c_terms} + {mag_terms} terms; expected an even "
+            f"number of blocks and at most {CS // 2} terms a block"
+        )
+
+    def rows(col, t):  # (K, nb) -> (nb / 2, CS, K): [block 2p's terms, block 2p + 1's, zeros]
+        parts = _split_parts(col, t).reshape(k, t, nb)  # term-major, as _split_parts lays them out
+        parts = jnp.pad(parts, ((0, 0), (0, terms - t), (0, 0)))  # (K, terms, nb)
+        pairs = parts.reshape(k, terms, nb // 2, 2).transpose(2, 3, 1, 0).reshape(nb // 2, 2 * terms, k)
+        return jnp.pad(pairs, ((0, 0), (0, CS - 2 * terms), (0, 0)))
+
+    tiles = jnp.stack([rows(sums, c_terms), rows(abs_sums, mag_terms)], axis=1)
+    return tiles.astype(jnp.bfloat16), terms
+
+
+def fused_gemm_checked_reference(
+    a: BFloat16[Array, "m k"],
+    b: BFloat16[Array, "k n"],
+    tiles: BFloat16[Array, "p 2 cs k"],
+    terms: int,
+    config: FusedConfig | None = None,
+) -> tuple[BFloat16[Array, "m n"], Float[Array, "4 nb m"]]:
+    """The checked kernel's outputs computed by XLA: y, and (s1, s2, c1, mag) per block and row
+    (c1 = x·(c1's terms), mag = |x|·(the absolute column's terms), exact bf16 products summed in f32;
+    ``config``, the kernel's tiling, changes none of them)."""
+    del config
+    y, s = fused_gemm_reference(a, b)
+    m = a.shape[0]
+    p = tiles.shape[0]
+    cx = jnp.einsum("mk,pck->pcm", a, tiles[:, 0], preferred_element_type=jnp.float32)
+    mx = jnp.einsum("mk,pck->pcm", jnp.abs(a), tiles[:, 1], preferred_element_type=jnp.float32)
+
+    def per_block(v):  # (p, CS, M) -> (2p, M): each block's terms summed
+        v = v[:, : 2 * terms].reshape(p, 2, terms, m).sum(axis=2)
+        return v.reshape(2 * p, m)
+
+    return y, jnp.concatenate([s, per_block(cx)[None], per_block(mx)[None]])
+
+
+def fused_gemm_checked(
+    a: BFloat16[Array, "m k"],
+    b: BFloat16[Array, "k n"],
+    tiles: BFloat16[Array, "p 2 cs k"],
+    terms: int,
+    config: FusedConfig | None = None,
+) -> tuple[BFloat16[Array, "m n"], Float[Array, "4 nb m"]]:
+    """``(y, sums)``: y = a @ b in bf16 and per block and row s1, s2 (as :func:`fused_gemm`), c1 and
+    mag (module docstring, "With the checks"), from one Hopper kernel reading a once. ``tiles``
+    from :func:`check_tiles`."""
+    cfg = config or FusedConfig()
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"pimlayers.fused_gemm_checked: a {a.shape} @ b {b.shape}; expected (M, K) @ (K, N)")
+    m, k = a.shape
+    n = b.shape[1]
+    want = (n // (2 * TILE), 2, CS, k)
+    if tiles.shape != want or tiles.dtype != jnp.bfloat16:
+        raise ValueError(
+            f"pimlayers.fused_gemm_checked: tiles {tiles.dtype}{tuple(tiles.shape)}; expected bfloat16{want}"
+            " (check_tiles)"
+        )
+    if not (isinstance(terms, int) and 1 <= terms <= CS // 2):
+        raise ValueError(f"pimlayers.fused_gemm_checked: terms={terms!r}; expected 1 to {CS // 2}")
+    if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
+        raise TypeError(f"pimlayers.fused_gemm_checked: operands are {a.dtype}, {b.dtype}; expected bfloat16")
+    if not fused_gemm_checked_supported(m, k, n, a.dtype, cfg):
+        raise ValueError(
+            f"pimlayers.fused_gemm_checked: ({m}, {k}) @ ({k}, {n}) does not tile (M a multiple of "
+            f"{TILE}, N of {2 * TILE}, K of {cfg.tile_k}) or the config stacks its warpgroups along M"
+        )
+    if not hopper():
+        raise NotImplementedError("pimlayers.fused_gemm_checked runs on Hopper GPUs (sm_90) only")
+    return _fused_call(a, b, cfg, tiles, terms)
 
 
 def fused_gemm_reference(
@@ -126,8 +234,10 @@ def _sm_count() -> int:
     return jax.devices()[0].core_count
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _fused_call(a, b, cfg: FusedConfig):
+@functools.partial(jax.jit, static_argnums=(2, 4))
+def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0):
+    """The kernel; with ``tiles`` (N / 256, 2, CS, K) (``check_tiles``, ``terms`` rows a block) it
+    also forms the checks c1 and mag (module docstring, "With the checks")."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -138,6 +248,8 @@ def _fused_call(a, b, cfg: FusedConfig):
     cta_m, cta_n = (2 * TILE, TILE) if cfg.wg_m else (TILE, 2 * TILE)
     m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tk
     nb = n // TILE
+    checked = tiles is not None
+    rows_out = 4 if checked else 2  # s1, s2 (and c1, mag)
 
     def transforms(minor_elems: int):
         swizzle = plgpu.find_swizzle(minor_elems * 16)  # bits of one row of bf16
@@ -146,16 +258,21 @@ def _fused_call(a, b, cfg: FusedConfig):
     in_t = transforms(tk)
     out_t = transforms(en)
 
-    def body(a_gmem, b_gmem, y_gmem, s_gmem, y_smem, s_smem):
+    def body(a_gmem, b_gmem, *refs):
+        t_gmem, (y_gmem, s_gmem, y_smem, s_smem) = (refs[0], refs[1:]) if checked else (None, refs)
+        specs = [
+            plgpu.BlockSpec((cta_m, tk), lambda kk: (0, kk), transforms=in_t),
+            plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=in_t),
+        ]
+        if checked:  # the CTA's two check tiles, K-major: (2, CS, tk) a step
+            specs.append(plgpu.BlockSpec((2, CS, tk), lambda kk: (0, 0, kk), transforms=in_t))
+
         def pipeline(step, finish):
             return plgpu.emit_pipeline_warp_specialized(
                 step,
                 grid=(k_iters,),
                 memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((cta_m, tk), lambda kk: (0, kk), transforms=in_t),
-                    plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=in_t),
-                ],
+                in_specs=specs,
                 wg_axis="wg",
                 num_compute_wgs=2,
                 max_concurrent_steps=cfg.stages,
@@ -166,7 +283,7 @@ def _fused_call(a, b, cfg: FusedConfig):
 
         @functools.partial(
             pl.run_scoped,
-            allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
+            allocs=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem, *([t_gmem] if checked else [])),
             collective_axes="wg",
         )
         def _scope(allocs):
@@ -186,9 +303,13 @@ def _fused_call(a, b, cfg: FusedConfig):
                     row0, blk = mi * cta_m, ni * 2 + wg
 
                 def finish(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE, TILE), jnp.float32))
-                    def _acc(acc):
-                        run(acc)
+                    accs = dict(acc=plgpu.ACC((TILE, TILE), jnp.float32))
+                    if checked:
+                        accs["xacc"] = plgpu.ACC((TILE, CS), jnp.float32)
+
+                    @functools.partial(pl.run_scoped, **accs)
+                    def _acc(acc, xacc=None):
+                        run((acc, xacc) if checked else acc)
                         af = acc[...]
                         j1 = plgpu.broadcasted_iota(jnp.int32, (TILE, TILE), 1, layout=plgpu.Layout.WGMMA)
                         j1 = (j1 + 1).astype(jnp.float32)  # weights 1..128: exact in f32
@@ -202,9 +323,23 @@ def _fused_call(a, b, cfg: FusedConfig):
                         mine = s_smem.at[wg]
                         mine.at[0][...] = s1
                         mine.at[1][...] = s2
+                        if checked:
+                            # Warpgroup 0's check tile held both blocks' c1 terms, 1's their mag
+                            # terms: rows [0, terms) the first block's, [terms, 2 terms) the
+                            # second's, zeros after (exact zeros in these sums).
+                            xf = xacc[...]
+                            col = plgpu.broadcasted_iota(jnp.int32, (TILE, CS), 1, layout=plgpu.Layout.WGMMA)
+                            mine.at[2][...] = jnp.where(col < terms, xf, 0.0).sum(axis=1)
+                            mine.at[3][...] = jnp.where((col >= terms) & (col < 2 * terms), xf, 0.0).sum(
+                                axis=1
+                            )
                         plgpu.commit_smem()
                         for q in range(2):
                             plgpu.copy_smem_to_gmem(mine.at[q], s_gmem.at[q, blk, pl.ds(row0, TILE)])
+                        if checked:  # c1 (warpgroup 0) or mag (1) of the CTA's two blocks
+                            for h in range(2):
+                                dst = s_gmem.at[2 + wg, ni * 2 + h, pl.ds(row0, TILE)]
+                                plgpu.copy_smem_to_gmem(mine.at[2 + h], dst)
                         for ei in range(TILE // em):
                             for ej in range(TILE // en):
                                 slot = (ei * (TILE // en) + ej) % 2
@@ -218,12 +353,25 @@ def _fused_call(a, b, cfg: FusedConfig):
                                     .at[pl.ds(ei * em, em), pl.ds(ej * en, en)],
                                 )
 
-                def step(_, a_smem, b_smem, acc):
-                    plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+                def step(_, a_smem, b_smem, *rest):
+                    if not checked:
+                        (acc,) = rest
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+                        plgpu.wgmma_wait(0)
+                        return acc
+                    t_smem, (acc, xacc) = rest
+                    plgpu.wgmma(acc, a_smem, b_smem.at[:, wg_cols])
+                    # The check tile's operand: x for warpgroup 0's c1, |x| (exact in bf16) for
+                    # 1's mag, from registers (the tensor cores take no |.| of shared memory).
+                    x = a_smem[...]
+                    xs = lax.cond(wg == 1, jnp.abs, lambda v: v, x)
+                    plgpu.wgmma(xacc, xs, t_smem.at[wg].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    return acc
+                    return acc, xacc
 
-                pipeline(step, finish)(a_gmem.at[rows, :], b_gmem.at[:, cols], allocations=allocs)
+                operands = [a_gmem.at[rows, :], b_gmem.at[:, cols]]
+                operands += [t_gmem.at[ni]] if checked else []
+                pipeline(step, finish)(*operands, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -232,7 +380,7 @@ def _fused_call(a, b, cfg: FusedConfig):
         body,
         out_type=(
             jax.ShapeDtypeStruct((m, n), dtype),
-            jax.ShapeDtypeStruct((2, nb, m), jnp.float32),
+            jax.ShapeDtypeStruct((rows_out, nb, m), jnp.float32),
         ),
         grid=(sms,),
         grid_names=("sm",),
@@ -240,7 +388,7 @@ def _fused_call(a, b, cfg: FusedConfig):
         thread_name="wg",
         scratch_types=(
             plgpu.SMEM((2, 2, em, en), dtype, transforms=out_t),
-            plgpu.SMEM((2, 2, TILE), jnp.float32),
+            plgpu.SMEM((2, rows_out, TILE), jnp.float32),
         ),
     )
-    return kernel(a, b)
+    return kernel(a, b, tiles) if checked else kernel(a, b)

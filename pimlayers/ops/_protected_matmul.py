@@ -44,6 +44,7 @@ from ._abft import (
     ABFT_DETECTED,
     F32_ROUNDOFF,
     WeightChecksums,
+    _check_terms,
     abft_checks,
     abft_encode,
     abft_encode_pair,
@@ -54,7 +55,16 @@ from ._abft import (
 )
 from ._common import check_float, first_true
 from ._fused_check import fused_flags, inject_fused, redo_tiles
-from ._fused_gemm import TILE, FusedConfig, fused_gemm, fused_gemm_supported, hopper
+from ._fused_gemm import (
+    TILE,
+    FusedConfig,
+    check_tiles,
+    fused_gemm,
+    fused_gemm_checked,
+    fused_gemm_checked_supported,
+    fused_gemm_supported,
+    hopper,
+)
 from ._fused_rows import fused_rows
 from ._gate import gate
 from ._redo_kernel import redo_detected, redo_kernel_applies, redo_kernel_wanted
@@ -346,6 +356,12 @@ def _fused_kernel():
     return fused_gemm if hopper() else None
 
 
+def _fused_checked_kernel():
+    """The fused GEMM that also forms the plain checks (``_fused_gemm.fused_gemm_checked``) where it
+    runs — a Hopper GPU — else None (tests substitute its reference, as for :func:`_fused_kernel`)."""
+    return fused_gemm_checked if hopper() else None
+
+
 def _fused_config(k: int, n: int) -> FusedConfig:
     """Tiling for a (K, N) weight. One configuration so far: on an H200 at M = 8192 it was the
     fastest of six at all four Llama-3-8B shapes (0.95-0.99x XLA's unprotected GEMM, with the first
@@ -385,12 +401,25 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     would have corrected a located error in place and gated non-finite values; this one trades that
     for no redo's fixed-shape gathers and GEMM on every call.
     """
-    k = a.shape[2]
-    # Each device's rows of x (``_fused_rows``); on one device the plain call.
-    y, sums = fused_rows(_fused_kernel(), a[0], b[0], _fused_config(k, b.shape[2]))
-    y, sums = inject_fused(y, sums, faults)
+    k, n = a.shape[2], b.shape[2]
+    cfg = _fused_config(k, n)
     weighted = policy.weighted_checks
-    c, mag = abft_checks(a, enc, weighted=weighted)
+    checked = _fused_checked_kernel()
+    if not weighted and checked is not None and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg):
+        # The plain checks from the GEMM's own read of x (c1 and mag in the kernel: no check GEMMs).
+        c_terms, mag_terms, scale = _check_terms(k, policy.lam)
+        nb = enc.abs_sums.shape[-1]
+        sums1, absums = enc.sums.reshape(k, nb, 2)[..., 0], enc.abs_sums.reshape(k, nb)
+        tiles, terms = check_tiles(sums1, absums * jnp.float32(scale), c_terms, mag_terms)
+        y, sums4 = fused_rows(checked, a[0], b[0], cfg, tiles, terms)
+        y, sums = inject_fused(y, sums4[:2], faults)
+        c1 = sums4[2].T
+        c, mag = jnp.stack([c1, jnp.zeros_like(c1)], axis=-1)[None], sums4[3].T[None]
+    else:
+        # Each device's rows of x (``_fused_rows``); on one device the plain call.
+        y, sums = fused_rows(_fused_kernel(), a[0], b[0], cfg)
+        y, sums = inject_fused(y, sums, faults)
+        c, mag = abft_checks(a, enc, weighted=weighted)
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
     _margins.record(role, y[None], c, mag, a.dtype, **_margin_kw(policy, k))
     flags = fused_flags(sums, c[0], mag[0], k, policy.lam, weighted)
