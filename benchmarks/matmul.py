@@ -48,12 +48,22 @@ SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
 SMALL_SHAPES = [(256, 1024), (1024, 256), (512, 512)]  # the CPU goal: "protected Dense at small sizes"
 
 
-def run(m: int = 8192, shapes=SHAPES, dtype=jnp.bfloat16, block_ns=(None, 128)) -> list[dict]:
+VARIANTS = ("fused", "loop", "checks_kernel", "c1_only", "fused_c1")
+
+
+def run(
+    m: int = 8192, shapes=SHAPES, dtype=jnp.bfloat16, block_ns=(None, 128), variants=VARIANTS
+) -> list[dict]:
+    """Rows per block width and shape; ``variants``: which of ``VARIANTS`` to time beside the default
+    (each where it applies, as the module docstring says)."""
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"benchmarks.matmul: variants {sorted(unknown)}; expected some of {VARIANTS}")
     rows = []
     for block_n in block_ns:
         policy = FaultPolicy(block_n=block_n)
         for k, n in shapes:
-            rows += _shape(m, k, n, dtype, policy)
+            rows += _shape(m, k, n, dtype, policy, frozenset(variants))
     return rows
 
 
@@ -92,19 +102,20 @@ def pairs(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> dict:
     }
 
 
-def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
+def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy, variants=frozenset(VARIANTS)) -> list[dict]:
     rows = []
     # Elsewhere than a Hopper GPU (or at whole-row blocks) "fused" would time the default again.
-    with_fused = hopper() and policy.block_n == TILE
+    fused_here = hopper() and policy.block_n == TILE
+    with_fused = fused_here and "fused" in variants
     cases = pairs(m, k, n, dtype, policy)
     fused = pairs(m, k, n, dtype, policy.replace(fused=True)) if with_fused else None
     # Where the default redoes on the device kernel (a GPU that runs it), the loop it replaced: on a
     # CPU the default is the loop itself.
-    with_loop = _redo_kernel_timed(dtype, policy)
+    with_loop = _redo_kernel_timed(dtype, policy) and "loop" in variants
     loop = pairs(m, k, n, dtype, policy.replace(recompute_kernel=False)) if with_loop else None
     # The opt-in one-read checks kernel (PIMLAYERS_CHECKS_KERNEL=1), where a GPU runs it: the same
     # programs traced with it asked for (each check it takes; XLA's GEMMs for the rest).
-    with_ck = jnp.dtype(dtype) == jnp.bfloat16 and _gpu_runs_checks_kernel()
+    with_ck = jnp.dtype(dtype) == jnp.bfloat16 and _gpu_runs_checks_kernel() and "checks_kernel" in variants
     ck = None
     if with_ck:
         ck = {
@@ -113,11 +124,12 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         }
     # FaultPolicy(weighted_checks=False): the plain checksums alone (fewer check columns), where the
     # checks are XLA's GEMMs (a GPU); the native CPU checks form both either way.
-    with_c1 = policy.block_n is not None and _c1_checks_timed()
+    with_c1 = policy.block_n is not None and _c1_checks_timed() and "c1_only" in variants
     c1_policy = policy.replace(weighted_checks=False, locate=False)
     c1 = pairs(m, k, n, dtype, c1_policy) if with_c1 else None
     # The fused path with the plain checks: c1 and mag from the fused kernel itself (no check GEMMs).
-    fused_c1 = pairs(m, k, n, dtype, c1_policy.replace(fused=True)) if with_fused else None
+    with_fused_c1 = fused_here and "fused_c1" in variants
+    fused_c1 = pairs(m, k, n, dtype, c1_policy.replace(fused=True)) if with_fused_c1 else None
     plain, prot, args_p, args_q = cases["fwd"]
     y0 = plain(*args_p)
     others = [c["fwd"][1] for c in (fused, loop, ck, c1, fused_c1) if c is not None]
@@ -132,7 +144,7 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
             _check_redo(policy.replace(fused=True), args_q, y0, f"fused {k}->{n}")
         if with_c1:
             _check_redo(c1_policy, args_q, y0, f"plain checks {k}->{n}")
-        if with_fused:
+        if with_fused_c1:
             _check_redo(c1_policy.replace(fused=True), args_q, y0, f"fused plain checks {k}->{n}")
     flops = 2.0 * m * k * n
     t0, t1, ratio = time_pair(plain, args_p, prot, args_q)
@@ -146,7 +158,7 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra |= _pair_cols(plain, args_p, ck["fwd"][1], args_q, "checks_kernel")
     if with_c1:
         extra |= _pair_cols(plain, args_p, c1["fwd"][1], args_q, "c1_only")
-    if with_fused:
+    if with_fused_c1:
         extra |= _pair_cols(plain, args_p, fused_c1["fwd"][1], args_q, "fused_c1")
     rows.append(_row(f"fwd {k}->{n}", m, policy, t0, t1, flops, ratio, **extra))
 
@@ -175,7 +187,7 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> list[dict]:
         extra["checks_kernel_grad_diff"] = ck_gerr
     if with_c1:
         extra |= _pair_cols(plain_g, args_p, c1["fwd+bwd"][1], args_q, "c1_only")
-    if with_fused:
+    if with_fused_c1:
         extra |= _pair_cols(plain_g, args_p, fused_c1["fwd+bwd"][1], args_q, "fused_c1")
     rows.append(_row(f"fwd+bwd {k}->{n}", m, policy, t0, t1, 3 * flops, ratio, max_grad_diff=gerr, **extra))
     return rows

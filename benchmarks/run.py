@@ -25,6 +25,7 @@ python -m benchmarks.run --suite checks                  # the GEMM checks: XLA'
 python -m benchmarks.run --suite peers     # Hopper: the Pallas/cuDNN/XLA kernels a fused one builds on
 python -m benchmarks.run --suite peers --peers attention   # goal 2: verified flash attention vs cuDNN
 python -m benchmarks.run --suite matmul --m 256 --dtype float32 --shapes small   # the CPU goal
+python -m benchmarks.run --suite matmul --block-n 128 --variants fused,fused_c1   # some policies only
 python -m benchmarks.run --suite cpu-kernels --m 256 --dtype float32 --shapes small   # its kernels A/B
 python -m benchmarks.run --suite launch                  # what one more kernel costs (gaps, graphs)
 python -m benchmarks.run --suite dispatch                # what a jitted (protected) call costs the host
@@ -137,6 +138,14 @@ def main() -> None:
         "--peers", choices=["all", "gemm", "attention"], default="all", help="peers: which kernels to time"
     )
     ap.add_argument(
+        "--variants",
+        default=",".join(matmul.VARIANTS),
+        help=f"matmul: policies to time beside the default, comma-separated, of {', '.join(matmul.VARIANTS)}",
+    )
+    ap.add_argument(
+        "--block-n", choices=["both", "row", "128"], default="both", help="matmul: checksum block widths"
+    )
+    ap.add_argument(
         "--tag",
         default="",
         help="a name for the results file (<date>-<suite>-<tag>-<device>.json): keeps an earlier run's file",
@@ -147,6 +156,8 @@ def main() -> None:
     save = dict(tag=args.tag, note=args.note)
     shapes = matmul.SHAPES if args.shapes == "llama" else matmul.SMALL_SHAPES
     dtype = jnp.dtype(args.dtype)
+    block_ns = {"both": (None, 128), "row": (None,), "128": (128,)}[args.block_n]
+    variants = tuple(v for v in args.variants.split(",") if v)
     if args.suite in ("ops", "all"):
         rows = ops.run(args.size_mb)
         path = write_result("ops", rows, command_line(), **save)
@@ -155,7 +166,10 @@ def main() -> None:
             print(f"{r['op']:<42} {r['ms']:9.3f} ms {r['gbs']:9.1f} GB/s{extra}")
         print(f"wrote {path}")
     for name, run in (
-        ("matmul", lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype)),
+        (
+            "matmul",
+            lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype, block_ns=block_ns, variants=variants),
+        ),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
         ("cpu-kernels", lambda: cpu_kernels.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("encode", lambda: matmul.encodes(dtype=dtype)),
