@@ -233,10 +233,14 @@ def test_without_recompute_detected_blocks_are_reported_and_left_as_written(fuse
     assert np.array_equal(y[keep], clean[keep])
 
 
-def test_new_fault_patterns_do_not_recompile(fused):
+PLAIN_FUSED = FUSED.replace(weighted_checks=False, locate=False)  # c1 and mag from the kernel itself
+
+
+@pytest.mark.parametrize("policy", [FUSED, PLAIN_FUSED], ids=["weighted", "plain"])
+def test_new_fault_patterns_do_not_recompile(fused, policy):
     x, w = _xw()
     clean = _plain(x, w)
-    body = TraceCounter(lambda a, b, fl: ops.protected_matmul(a, b, policy=FUSED, faults=fl))
+    body = TraceCounter(lambda a, b, fl: ops.protected_matmul(a, b, policy=policy, faults=fl))
     f = jax.jit(body)
     for seed in range(3):
         faults = GemmFaults.random(jax.random.key(seed), (M, N), 4, 0.5, bit=30)
@@ -248,14 +252,16 @@ def test_new_fault_patterns_do_not_recompile(fused):
         f(x, w, sites)
 
 
-def test_gradients_unchanged(fused):
+@pytest.mark.parametrize("policy", [FUSED, PLAIN_FUSED], ids=["weighted", "plain"])
+def test_gradients_unchanged(fused, policy):
     """The backward runs the unfused checked GEMMs either way: the fused forward changes no gradient
-    (compared with the default, unfused path, whose backward is the same code)."""
+    (compared with the unfused path of the same checks, whose backward is the same code)."""
     x, w = _xw()
     g = jax.random.normal(jax.random.key(9), (M, N))
     loss = lambda a, b, p: jnp.sum(ops.protected_matmul(a, b, policy=p)[0].astype(jnp.float32) * g)
-    fused_grads = jax.jit(jax.grad(lambda a, b: loss(a, b, FUSED), (0, 1)))(x, w)
-    ref_grads = jax.jit(jax.grad(lambda a, b: loss(a, b, FaultPolicy()), (0, 1)))(x, w)
+    fused_grads = jax.jit(jax.grad(lambda a, b: loss(a, b, policy), (0, 1)))(x, w)
+    unfused = policy.replace(fused=False)
+    ref_grads = jax.jit(jax.grad(lambda a, b: loss(a, b, unfused), (0, 1)))(x, w)
     for a, b in zip(fused_grads, ref_grads, strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
