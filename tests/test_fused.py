@@ -5,6 +5,7 @@ same outputs, computed by XLA); the GPU tests check the kernel against that refe
 same fault scenarios through it.
 """
 
+import functools
 import re
 
 import jax
@@ -324,8 +325,9 @@ def test_check_tiles_give_the_plain_checks(k, lam):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_t", [False, True])  # w, or (the backward's dx) wᵀ read in place
 @pytest.mark.parametrize("shape", [(256, 64, 256), (512, 192, 768), (1024, 4096, 1024)])
-def test_checked_kernel_matches_reference_on_hopper(shape):
+def test_checked_kernel_matches_reference_on_hopper(shape, b_t):
     """The kernel with the checks: y and s1, s2 as the plain kernel's, c1 and mag equal to the
     reference's (f32 sums of exact products in other orders), and a clean product passes the
     plain check on them."""
@@ -337,8 +339,15 @@ def test_checked_kernel_matches_reference_on_hopper(shape):
     m, k, n = shape
     x, w = _xw(m, k, n, seed=m)
     _, tiles, terms = _checked_inputs(x, w)
-    y, s = jax.jit(_fused_gemm.fused_gemm_checked, static_argnums=3)(x, w, tiles, terms)
-    y_r, s_r = jax.jit(_fused_gemm.fused_gemm_checked_reference, static_argnums=3)(x, w, tiles, terms)
+    b = jnp.asarray(w.T) if b_t else w  # (the same product: b stored as (N, K))
+    kernel = jax.jit(functools.partial(_fused_gemm.fused_gemm_checked, b_t=b_t), static_argnums=3)
+    reference = jax.jit(
+        functools.partial(_fused_gemm.fused_gemm_checked_reference, b_t=b_t), static_argnums=3
+    )
+    y, s = kernel(x, b, tiles, terms)
+    y_r, s_r = reference(x, b, tiles, terms)
+    y_w = np.asarray(_fused_gemm.fused_gemm_reference(x, w)[0], np.float32)  # the same product
+    np.testing.assert_allclose(np.asarray(y_r, np.float32), y_w, rtol=2**-7, atol=2e-8 * k)
     yf, yf_r = np.asarray(y, np.float32), np.asarray(y_r, np.float32)
     np.testing.assert_allclose(yf, yf_r, rtol=2**-7, atol=2e-8 * k)
     np.testing.assert_allclose(np.asarray(s[:2]), np.asarray(s_r[:2]), rtol=1e-5, atol=128 * 2e-8 * k)
@@ -351,9 +360,11 @@ def test_checked_kernel_matches_reference_on_hopper(shape):
     flags = sums_flags(s[0].T, s[1].T, s[2].T, zeros, s[3].T, k, 128.0, 8.0, weighted=False)
     assert int(jnp.sum(flags)) == 0
     with pytest.raises(ValueError, match="does not tile"):
-        _fused_gemm.fused_gemm_checked(x[:100], w, tiles, terms)
+        _fused_gemm.fused_gemm_checked(x[:100], b, tiles, terms, b_t=b_t)
     with pytest.raises(ValueError, match="expected bfloat16"):
-        _fused_gemm.fused_gemm_checked(x, w, tiles[:1], terms)
+        _fused_gemm.fused_gemm_checked(x, b, tiles[:1], terms, b_t=b_t)
+    with pytest.raises(ValueError, match="expected"):  # K not the operands' common axis
+        _fused_gemm.fused_gemm_checked(x[:, :-64], b, tiles, terms, b_t=b_t)
 
 
 @pytest.mark.parametrize("checked", [False, True])  # (the plain checks from the kernel itself)

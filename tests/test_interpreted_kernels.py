@@ -113,9 +113,10 @@ def test_fused_gemm_kernel_matches_the_reference(interpreted, shape):
 
 
 @in_process
+@pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("shape", [(256, 64, 256), (256, 192, 512)])
-def test_checked_fused_gemm_kernel_matches_the_reference(interpreted, shape):
-    gpu_gemm.test_checked_kernel_matches_reference_on_hopper(shape)
+def test_checked_fused_gemm_kernel_matches_the_reference(interpreted, shape, b_t):
+    gpu_gemm.test_checked_kernel_matches_reference_on_hopper(shape, b_t)
 
 
 @in_process
@@ -170,7 +171,12 @@ CASES = {  # the default run's cases, each in a fresh process
     "backward-flags-dk": lambda: test_backward_kernels_flag_the_flipped_rows(None, "dk"),
     "backward-flags-scores": lambda: test_backward_kernels_flag_the_flipped_rows(None, "scores"),
     "fused-gemm": lambda: test_fused_gemm_kernel_matches_the_reference(None, (256, 64, 256)),
-    "fused-gemm-checked": lambda: test_checked_fused_gemm_kernel_matches_the_reference(None, (256, 192, 512)),
+    "fused-gemm-checked": lambda: test_checked_fused_gemm_kernel_matches_the_reference(
+        None, (256, 192, 512), False
+    ),
+    "fused-gemm-checked-bt": lambda: test_checked_fused_gemm_kernel_matches_the_reference(
+        None, (256, 192, 512), True
+    ),
     "races": lambda: test_pipelines_have_no_races(None),
     # The device redo: only flagged CTAs rewritten, bit for bit the fault-free kernels' rows.
     "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(None, REDO_FWD),

@@ -135,12 +135,13 @@ def fused_gemm_checked_reference(
     tiles: BFloat16[Array, "p 2 cs k"],
     terms: int,
     config: FusedConfig | None = None,
+    b_t: bool = False,
 ) -> tuple[BFloat16[Array, "m n"], Float[Array, "4 nb m"]]:
     """The checked kernel's outputs computed by XLA: y, and (s1, s2, c1, mag) per block and row
     (c1 = x·(c1's terms), mag = |x|·(the absolute column's terms), exact bf16 products summed in f32;
-    ``config``, the kernel's tiling, changes none of them)."""
+    ``config``, the kernel's tiling, changes none of them). ``b_t``: b stored as (N, K)."""
     del config
-    y, s = fused_gemm_reference(a, b)
+    y, s = fused_gemm_reference(a, b.T if b_t else b)
     m = a.shape[0]
     p = tiles.shape[0]
     cx = jnp.einsum("mk,pck->pcm", a, tiles[:, 0], preferred_element_type=jnp.float32)
@@ -159,15 +160,19 @@ def fused_gemm_checked(
     tiles: BFloat16[Array, "p 2 cs k"],
     terms: int,
     config: FusedConfig | None = None,
+    b_t: bool = False,
 ) -> tuple[BFloat16[Array, "m n"], Float[Array, "4 nb m"]]:
     """``(y, sums)``: y = a @ b in bf16 and per block and row s1, s2 (as :func:`fused_gemm`), c1 and
     mag (module docstring, "With the checks"), from one Hopper kernel reading a once. ``tiles``
-    from :func:`check_tiles`."""
+    from :func:`check_tiles`. ``b_t``: b stored transposed, (N, K), and read in place (the
+    backward's dx = dy @ wᵀ with w itself)."""
     cfg = config or FusedConfig()
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"pimlayers.fused_gemm_checked: a {a.shape} @ b {b.shape}; expected (M, K) @ (K, N)")
+    kb = b.shape[-1] if b_t else b.shape[0]
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != kb:
+        want = "(M, K) @ (N, K) transposed" if b_t else "(M, K) @ (K, N)"
+        raise ValueError(f"pimlayers.fused_gemm_checked: a {a.shape} @ b {b.shape}; expected {want}")
     m, k = a.shape
-    n = b.shape[1]
+    n = b.shape[0] if b_t else b.shape[1]
     want = (n // (2 * TILE), 2, CS, k)
     if tiles.shape != want or tiles.dtype != jnp.bfloat16:
         raise ValueError(
@@ -185,7 +190,7 @@ def fused_gemm_checked(
         )
     if not hopper():
         raise NotImplementedError("pimlayers.fused_gemm_checked runs on Hopper GPUs (sm_90) only")
-    return _fused_call(a, b, cfg, tiles, terms)
+    return _fused_call(a, b, cfg, tiles, terms, b_t)
 
 
 def fused_gemm_reference(
@@ -234,15 +239,16 @@ def _sm_count() -> int:
     return jax.devices()[0].core_count
 
 
-@functools.partial(jax.jit, static_argnums=(2, 4))
-def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0):
+@functools.partial(jax.jit, static_argnums=(2, 4, 5))
+def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0, b_t: bool = False):
     """The kernel; with ``tiles`` (N / 256, 2, CS, K) (``check_tiles``, ``terms`` rows a block) it
-    also forms the checks c1 and mag (module docstring, "With the checks")."""
+    also forms the checks c1 and mag (module docstring, "With the checks"). ``b_t``: b is (N, K), its
+    (columns x K) tiles fed to the tensor cores transposed, as flash attention's keys are."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     m, k = a.shape
-    n = b.shape[1]
+    n = b.shape[0] if b_t else b.shape[1]
     dtype = a.dtype
     tk, em, en = cfg.tile_k, cfg.epi_m, cfg.epi_n
     cta_m, cta_n = (2 * TILE, TILE) if cfg.wg_m else (TILE, 2 * TILE)
@@ -262,7 +268,9 @@ def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0):
         t_gmem, (y_gmem, s_gmem, y_smem, s_smem) = (refs[0], refs[1:]) if checked else (None, refs)
         specs = [
             plgpu.BlockSpec((cta_m, tk), lambda kk: (0, kk), transforms=in_t),
-            plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=in_t),
+            plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=in_t)
+            if b_t
+            else plgpu.BlockSpec((tk, cta_n), lambda kk: (kk, 0), transforms=in_t),
         ]
         if checked:  # the CTA's two check tiles, K-major: (2, CS, tk) a step
             specs.append(plgpu.BlockSpec((2, CS, tk), lambda kk: (0, 0, kk), transforms=in_t))
@@ -354,13 +362,14 @@ def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0):
                                 )
 
                 def step(_, a_smem, b_smem, *rest):
+                    bw = b_smem.at[wg_cols, :].transpose((1, 0)) if b_t else b_smem.at[:, wg_cols]
                     if not checked:
                         (acc,) = rest
-                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], bw)
                         plgpu.wgmma_wait(0)
                         return acc
                     t_smem, (acc, xacc) = rest
-                    plgpu.wgmma(acc, a_smem, b_smem.at[:, wg_cols])
+                    plgpu.wgmma(acc, a_smem, bw)
                     # The check tile's operand: x for warpgroup 0's c1, |x| (exact in bf16) for
                     # 1's mag, from registers (the tensor cores take no |.| of shared memory).
                     x = a_smem[...]
@@ -369,7 +378,7 @@ def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0):
                     plgpu.wgmma_wait(0)
                     return acc, xacc
 
-                operands = [a_gmem.at[rows, :], b_gmem.at[:, cols]]
+                operands = [a_gmem.at[rows, :], b_gmem.at[cols, :] if b_t else b_gmem.at[:, cols]]
                 operands += [t_gmem.at[ni]] if checked else []
                 pipeline(step, finish)(*operands, allocations=allocs)
 
