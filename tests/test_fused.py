@@ -414,9 +414,12 @@ def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each, c
     assert (rows_each, K) in calls["kernel" if tiled else "reference"]
     assert (rows_each, K) not in calls["reference" if tiled else "kernel"]
     assert set(calls["kernel"] + calls["reference"]) <= {(rows_each, K), (m, K)}
+
     # Without the partitioning the call sees the whole x (here XLA's reference stands in for the
     # kernel and XLA splits it; a GPU's kernel is one opaque call, for which XLA gathers x).
-    unsplit = lambda kernel, a, b, cfg, *t: kernel(a, b, *t, cfg)
+    def unsplit(kernel, a, b, cfg, tiles=None, terms=0, b_t=False):
+        return kernel(a, b, cfg) if tiles is None else kernel(a, b, tiles, terms, cfg, b_t)
+
     monkeypatch.setattr(_protected_matmul, "fused_rows", unsplit)
     calls["kernel"].clear()
     _pmm(policy).lower(xs, ws, sites).compile()
@@ -438,6 +441,47 @@ def test_under_vmap_each_gemm_is_checked_and_redone_alone(fused):
     assert np.asarray(r.gemm_uncorrectable).tolist() == [0, 0]
     assert np.asarray(y[0]).tobytes() == np.asarray(clean[0]).tobytes()
     _assert_redone(y[1], clean[1])
+
+
+def test_dx_takes_the_checked_kernel_with_w_in_place(fused, monkeypatch):
+    """With the plain checks and the device redo, the backward's dx = dy @ wᵀ runs the checked
+    fused kernel too, reading w as stored (``b_t``): gradients as the unfused path's (to a bf16
+    rounding: other dot orders), and a fault in dx detected and redone (the device redo kernel,
+    interpreted here)."""
+    policy = PLAIN_FUSED.replace(recompute_kernel=True)
+    b_ts = []
+    checked = _protected_matmul._fused_checked_kernel()
+
+    def spy(a, b, tiles, terms, config=None, b_t=False):
+        b_ts.append(b_t)
+        return checked(a, b, tiles, terms, config, b_t)
+
+    monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: spy)
+    x, w = _xw(k=256)  # dx has K = 256 columns: two 128-column blocks, one CTA wide
+    g = jax.random.normal(jax.random.key(9), (M, N)).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def loss(a, b, tap, faults, p):
+        y, _ = ops.protected_matmul(a, b, policy=p, tap=tap, faults=faults)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=4)
+    none = (GemmFaults.none(),) * 3
+    gx, gw, gt = grad(x, w, ops.zero_tap(), none, policy)
+    assert sorted(b_ts) == [False, True]  # the forward, and dx with w in place
+    gx0, gw0, _ = grad(x, w, ops.zero_tap(), none, policy.replace(fused=False))
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(gx0, np.float32), rtol=2**-7, atol=1e-6)
+    assert np.asarray(gw).tobytes() == np.asarray(gw0).tobytes()  # dw: the unfused path either way
+    assert ops.report_from_tap(gt).to_dict()["gemm_detected"] == 0
+    dx0 = np.asarray(gx, np.float32)
+    hit = (
+        GemmFaults.none(),
+        _sites([5, 200], [_big(dx0, 5, 0, 64), _big(dx0, 200, 64, 192)], [30, 30]),
+        None,
+    )
+    gx, _, gt = grad(x, w, ops.zero_tap(), hit, policy)
+    d = ops.report_from_tap(gt).to_dict()
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 2, 0)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), dx0, rtol=2**-7, atol=1e-6)
 
 
 # redo_tiles, the device redo (interpreted here); the checks from the kernel or from XLA's GEMMs

@@ -31,18 +31,21 @@ from ._rows import axes_of, custom_partitioned, lead_spec
 __all__ = ["fused_rows"]
 
 
-def fused_rows(kernel: Callable, a, b, config: FusedConfig, tiles=None, terms: int = 0):
+def fused_rows(kernel: Callable, a, b, config: FusedConfig, tiles=None, terms: int = 0, b_t: bool = False):
     """``kernel(a, b, config) -> (y (M, N), sums (2, N / 128, M))`` on each device's rows of ``a``;
     with ``tiles`` (the checked kernel's, ``_fused_gemm.check_tiles``: whole on each device, as the
-    weight) ``kernel(a, b, tiles, terms, config) -> (y, sums (4, N / 128, M))``."""
+    weight) ``kernel(a, b, tiles, terms, config, b_t) -> (y, sums (4, N / 128, M))``, ``b_t``: b
+    stored as (N, K)."""
     checked = tiles is not None
+    if b_t and not checked:
+        raise ValueError("pimlayers.fused_rows: a transposed b takes the checked kernel only (tiles)")
 
     def fn(a, b, *t):
-        return kernel(a, b, *t, terms, config) if checked else kernel(a, b, config)
+        return kernel(a, b, *t, terms, config, b_t) if checked else kernel(a, b, config)
 
     def reference(a, b, *t):
         if checked:
-            return fused_gemm_checked_reference(a, b, *t, terms)
+            return fused_gemm_checked_reference(a, b, *t, terms, config, b_t)
         return fused_gemm_reference(a, b, config)
 
     def split(mesh, arg_shapes):
@@ -54,7 +57,7 @@ def fused_rows(kernel: Callable, a, b, config: FusedConfig, tiles=None, terms: i
 
     def partition(mesh, arg_shapes, result_shape):
         ins, outs, parts = split(mesh, arg_shapes)
-        (m, k), n = arg_shapes[0].shape, arg_shapes[1].shape[1]
+        (m, k), n = arg_shapes[0].shape, arg_shapes[1].shape[0 if b_t else 1]
         supported = fused_gemm_checked_supported if checked else fused_gemm_supported
         local = fn if supported(-(-m // parts), k, n, arg_shapes[0].dtype, config) else reference
         named = lambda ss: tuple(NamedSharding(mesh, s) for s in ss)
@@ -63,7 +66,8 @@ def fused_rows(kernel: Callable, a, b, config: FusedConfig, tiles=None, terms: i
     def infer(mesh, arg_shapes, result_shape):  # GSPMD (Shardy reads the rule below)
         return tuple(NamedSharding(mesh, s) for s in split(mesh, arg_shapes)[1])
 
-    rule = "m k, k n, p h c k -> m n, t b m" if checked else "m k, k n -> m n, t b m"
+    b_dims = "n k" if b_t else "k n"
+    rule = f"m k, {b_dims}, p h c k -> m n, t b m" if checked else "m k, k n -> m n, t b m"
     # (Factors in their order of first appearance in the rule: Shardy wants them sorted.)
     whole = ("k", "n", "p", "h", "c", "t", "b") if checked else ("k", "n", "t", "b")
     wrapped = custom_partitioned(fn, partition, infer, rule, whole)

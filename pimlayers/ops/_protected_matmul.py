@@ -167,7 +167,7 @@ def _checked_gemm(
         # An f32 operand has no rounding to lose, and the barrier costs a copy of it on the CPU.
         a = lax.optimization_barrier(a)
     if checks is None and _fused_applies(a, b, policy, out_dtype, impl, a_t, b_t):
-        return _checked_gemm_fused(a, b, enc, policy, faults, precision, role)
+        return _checked_gemm_fused(a, b, enc, policy, faults, precision, role, b_t)
     prod = _product_dtype(a, b, out_dtype)
     y = _dot(a, b, precision, a_t, b_t, prod)
     y = inject_gemm_faults(y.reshape(g * r, n), faults).reshape(g, r, n)
@@ -372,15 +372,17 @@ def _fused_config(k: int, n: int) -> FusedConfig:
 
 def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b_t: bool) -> bool:
     """Whether this GEMM takes the fused path: ``FaultPolicy(fused=True)`` (not the default), one
-    bf16 GEMM (not transposed: the backward keeps the unfused path) with a bf16 result, 128-column
-    blocks, correcting without a gate limit, on a GPU that runs the kernel, with ``impl="auto"``
-    ("native" keeps the unfused native check, "reference" the pure-JAX one).
+    bf16 GEMM with a bf16 result, 128-column blocks, correcting without a gate limit, on a GPU that
+    runs the kernel, with ``impl="auto"`` ("native" keeps the unfused native check, "reference" the
+    pure-JAX one). A transposed a (the weight gradient's xᵀ) keeps the unfused path; a transposed b
+    (dx = dy @ wᵀ) takes it with the plain checks, which the kernel forms itself
+    (``fused_gemm_checked``), where what is detected is redone by the device kernel or not at all.
 
     With ``recompute`` only a branch-free redo is taken there (``_fused_check.redo_tiles``, or with
     ``recompute_kernel`` the device kernel, ``_redo_kernel``): a whole recompute would need a
     branch, whose predicate goes through the host on a GPU.
     """
-    if impl != "auto" or a_t or b_t or a.shape[0] != 1:
+    if impl != "auto" or a_t or a.shape[0] != 1:
         return False
     if not (policy.fused and policy.corrects and policy.gate_limit is None):
         return False
@@ -388,10 +390,19 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
         return False
     if not (a.dtype == b.dtype == jnp.dtype(out_dtype) == jnp.bfloat16):
         return False
-    return _fused_kernel() is not None and fused_gemm_supported(a.shape[1], a.shape[2], b.shape[2], a.dtype)
+    m, k = a.shape[1], a.shape[2]
+    if b_t:
+        redo_ok = not policy.recompute or redo_kernel_wanted(policy)
+        checked = _fused_checked_kernel() is not None and not policy.weighted_checks and redo_ok
+        return checked and fused_gemm_checked_supported(
+            m, k, b.shape[1], a.dtype, _fused_config(k, b.shape[1])
+        )
+    return _fused_kernel() is not None and fused_gemm_supported(m, k, b.shape[2], a.dtype)
 
 
-def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, role: str):
+def _checked_gemm_fused(
+    a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, role: str, b_t: bool = False
+):
     """``_checked_gemm`` for one bf16 GEMM on the fused kernel: y and its block sums from one kernel,
     the check on the sums (y is not read again), detected blocks redone without a branch.
 
@@ -401,17 +412,19 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
     would have corrected a located error in place and gated non-finite values; this one trades that
     for no redo's fixed-shape gathers and GEMM on every call.
     """
-    k, n = a.shape[2], b.shape[2]
+    k, n = a.shape[2], b.shape[1 if b_t else 2]
     cfg = _fused_config(k, n)
     weighted = policy.weighted_checks
     checked = _fused_checked_kernel()
-    if not weighted and checked is not None and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg):
+    if b_t or (
+        not weighted and checked is not None and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg)
+    ):
         # The plain checks from the GEMM's own read of x (c1 and mag in the kernel: no check GEMMs).
         c_terms, mag_terms, scale = _check_terms(k, policy.lam)
         nb = enc.abs_sums.shape[-1]
         sums1, absums = enc.sums.reshape(k, nb, 2)[..., 0], enc.abs_sums.reshape(k, nb)
         tiles, terms = check_tiles(sums1, absums * jnp.float32(scale), c_terms, mag_terms)
-        y, sums4 = fused_rows(checked, a[0], b[0], cfg, tiles, terms)
+        y, sums4 = fused_rows(checked, a[0], b[0], cfg, tiles, terms, b_t)
         y, sums = inject_fused(y, sums4[:2], faults)
         c1 = sums4[2].T
         c, mag = jnp.stack([c1, jnp.zeros_like(c1)], axis=-1)[None], sums4[3].T[None]
@@ -427,7 +440,7 @@ def _checked_gemm_fused(a, b, enc: WeightChecksums, policy: FaultPolicy, faults,
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
         zeros = jnp.zeros(flags.shape, jnp.int32)  # nothing gated yet: the fused path has no finish
         y, gated, still, redone = redo_detected(
-            a, b, c, mag, y[None], flags[None], zeros[None], **_redo_kw(policy)
+            a, b, c, mag, y[None], flags[None], zeros[None], b_t=b_t, **_redo_kw(policy)
         )
         y = y[0]
     elif policy.recompute:
