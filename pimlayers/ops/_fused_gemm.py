@@ -16,6 +16,17 @@ sums alike, and the sums then disagree with c, which came from the operands by a
 The rounding to bf16 is one conversion per value after the sums; a value corrupted in memory after
 the epilogue is outside this check (as it is outside any GEMM's).
 
+With the checks (``fused_gemm_checked``, for ``FaultPolicy(weighted_checks=False)``): the plain
+checks the sums are compared with, c1 = x·Σ_j w_j and mag = |x|·Σ_j |w_j| per block, come from the
+same kernel instead of separate check GEMMs that read x again. Each K step, besides its 128 x 128
+product, each warpgroup issues one wgmma of N = 8 against a K-major tile of its CTA's check columns
+(``check_tiles``: bf16 terms of the f32 columns, exact products summed in f32 as the check GEMMs'
+are): warpgroup 0 multiplies the x tile against both of the CTA's blocks' c1 terms, warpgroup 1
+multiplies |x| (taken in registers) against their absolute-sum terms, so the two share the 16 extra
+columns of tensor-core work (6.25% of the CTA's 256). The epilogue writes c1 and mag as two more
+rows of the sums, (4, N / 128, M). With ``b_t`` b is stored (N, K), read in place (the backward's
+dx = dy·wᵀ with w as stored).
+
 Written with Pallas's Mosaic-GPU API (warp-specialised pipeline: one warpgroup feeds shared memory by
 TMA, two compute warpgroups each own a 128 x 128 accumulator). Hopper (sm_90) only, bf16 operands,
 M, N, K multiples of the tiles; ``fused_gemm_supported`` says when. Reference:
