@@ -516,3 +516,49 @@ def test_plain_checks_on_the_fused_path(fused, monkeypatch, kernel, in_kernel):
         0,
     )
     _assert_redone(y, clean)
+
+
+@pytest.mark.slow
+def test_the_llama_step_runs_its_gemms_checks_in_the_fused_kernel(fused, monkeypatch):
+    """A Llama-3 block in bf16 under ``FaultPolicy(fused=True, weighted_checks=False, locate=False,
+    recompute_kernel=True)`` (the device redo, interpreted here): the GEMMs that tile (q, o, the down projection and the head forward; their dx
+    in the backward) run the checked fused kernel, the rest the unfused plain checks; the loss and
+    gradients are the unfused path's to bf16 rounding, and nothing is detected."""
+    from flax import nnx
+
+    from models.llama3 import Llama3, get_config
+
+    calls = []
+    checked = _protected_matmul._fused_checked_kernel()
+
+    def spy(a, b, tiles, terms, config=None, b_t=False):
+        calls.append((a.shape, b_t))
+        return checked(a, b, tiles, terms, config, b_t)
+
+    monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: spy)
+    cfg = get_config("llama3_small", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
+
+    def loss_of(model):
+        logits = model(toks[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+    policy = PLAIN_FUSED.replace(recompute_kernel=True)
+    results = []
+    for p in (policy, policy.replace(fused=False)):
+        model = Llama3(cfg, policy=p, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model)
+        results.append((loss, jax.tree.leaves(nnx.state(grads, nnx.Param)), pnnx_report(model)))
+    assert {b_t for _, b_t in calls} == {False, True} and all(s[0] == 128 for s, _ in calls)
+    (l1, g1, r1), (l2, g2, r2) = results
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-3)
+    for a, b in zip(g1, g2, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.max(np.abs(b))) + 1e-6)
+    assert r1["gemm_checked"] == r2["gemm_checked"] > 0 and r1["gemm_detected"] == 0
+
+
+def pnnx_report(model) -> dict:
+    from pimlayers.flax import nnx as pnnx
+
+    return pnnx.fault_report(model).to_dict()
