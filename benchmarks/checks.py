@@ -37,9 +37,8 @@ LAM = 8.0  # FaultPolicy's default λ: the terms the protected GEMM's checks car
 
 def _cases(m: int) -> list[tuple[str, int, int, int, bool]]:
     """(name, rows of x, K, N of the checked product, transposed) at the Llama-3-8B step's GEMMs:
-    the forward's (q, k, v share one check: N = 6144), dx of the down projection's input
-    (dy @ wᵀ: K = 4096 -> 14336 has too many columns for the kernel, so the o projection's), and a
-    weight gradient's transposed check (xᵀ @ dy over the tokens)."""
+    the forward's (q, k, v share one check: N = 6144; the MLP's gate and up, 28672 columns, have
+    too many for the kernel), and a weight gradient's transposed check (xᵀ @ dy over the tokens)."""
     return [
         ("fwd 4096->1024", m, 4096, 1024, False),
         ("fwd 4096->4096", m, 4096, 4096, False),
