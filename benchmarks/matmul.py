@@ -38,7 +38,7 @@ from pimlayers.ops._abft import (
     pair_applies,
 )
 from pimlayers.ops._checks_kernel import checks_kernel, checks_kernel_applies
-from pimlayers.ops._fused_gemm import TILE, check_tiles, fused_gemm, fused_gemm_checked, hopper
+from pimlayers.ops._fused_gemm import TILE, check_tiles_of, fused_gemm, fused_gemm_checked, hopper
 from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
 
 from ._harness import time_fn, time_pair
@@ -196,11 +196,7 @@ def _shape(m: int, k: int, n: int, dtype, policy: FaultPolicy, variants=frozense
 def _fused_checked(x, w, enc: WeightChecksums):
     """``(fn, args)``: the fused kernel with the plain checks (``fused_gemm_checked``) alone, its check
     tiles built from ``enc`` as the protected GEMM builds them (default λ)."""
-    from pimlayers.ops._abft import _check_terms
-
-    k = x.shape[-1]
-    c_terms, mag_terms, scale = _check_terms(k, FaultPolicy().lam)
-    tiles, terms = check_tiles(enc.sums[..., 0], enc.abs_sums * jnp.float32(scale), c_terms, mag_terms)
+    tiles, terms = check_tiles_of(enc, FaultPolicy().lam)
     return jax.jit(lambda a, b, t: fused_gemm_checked(a, b, t, terms)), (x, w, tiles)
 
 

@@ -293,14 +293,8 @@ def test_kernel_matches_reference_on_hopper(shape):
 
 def _checked_inputs(x, w, lam=8.0):
     """The checked kernel's tiles for w at λ (the plain checks' terms, mag's scaled as the check's)."""
-    from pimlayers.ops._abft import _check_terms
-
-    k = x.shape[1]
     enc = ops.abft_encode(w, 128)
-    c_terms, mag_terms, scale = _check_terms(k, lam)
-    tiles, terms = _fused_gemm.check_tiles(
-        enc.sums[..., 0], enc.abs_sums * jnp.float32(scale), c_terms, mag_terms
-    )
+    tiles, terms = _fused_gemm.check_tiles_of(enc, lam)
     return enc, tiles, terms
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "CS",
     "FusedConfig",
     "check_tiles",
+    "check_tiles_of",
     "fused_gemm",
     "fused_gemm_checked",
     "fused_gemm_checked_reference",
@@ -138,6 +139,18 @@ def check_tiles(
 
     tiles = jnp.stack([rows(sums, c_terms), rows(abs_sums, mag_terms)], axis=1)
     return tiles.astype(jnp.bfloat16), terms
+
+
+def check_tiles_of(enc, lam: float) -> tuple[BFloat16[Array, "p 2 cs k"], int]:
+    """:func:`check_tiles` of one weight's checksums (``enc``, a ``WeightChecksums``) for a check
+    with this λ: the plain checksum column's terms and the absolute column's, scaled, as
+    ``abft_checks(lam=lam)`` forms them (``_abft._check_terms``)."""
+    from ._abft import _check_terms
+
+    k, nb = enc.abs_sums.shape[-2:]
+    c_terms, mag_terms, scale = _check_terms(k, lam)
+    sums1, absums = enc.sums.reshape(k, nb, 2)[..., 0], enc.abs_sums.reshape(k, nb)
+    return check_tiles(sums1, absums * jnp.float32(scale), c_terms, mag_terms)
 
 
 def fused_gemm_checked_reference(

@@ -44,7 +44,6 @@ from ._abft import (
     ABFT_DETECTED,
     F32_ROUNDOFF,
     WeightChecksums,
-    _check_terms,
     abft_checks,
     abft_encode,
     abft_encode_pair,
@@ -58,7 +57,7 @@ from ._fused_check import fused_flags, inject_fused, redo_tiles
 from ._fused_gemm import (
     TILE,
     FusedConfig,
-    check_tiles,
+    check_tiles_of,
     fused_gemm,
     fused_gemm_checked,
     fused_gemm_checked_supported,
@@ -420,10 +419,7 @@ def _checked_gemm_fused(
         not weighted and checked is not None and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg)
     ):
         # The plain checks from the GEMM's own read of x (c1 and mag in the kernel: no check GEMMs).
-        c_terms, mag_terms, scale = _check_terms(k, policy.lam)
-        nb = enc.abs_sums.shape[-1]
-        sums1, absums = enc.sums.reshape(k, nb, 2)[..., 0], enc.abs_sums.reshape(k, nb)
-        tiles, terms = check_tiles(sums1, absums * jnp.float32(scale), c_terms, mag_terms)
+        tiles, terms = check_tiles_of(enc, policy.lam)
         y, sums4 = fused_rows(checked, a[0], b[0], cfg, tiles, terms, b_t)
         y, sums = inject_fused(y, sums4[:2], faults)
         c1 = sums4[2].T
