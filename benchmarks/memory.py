@@ -23,7 +23,7 @@ from pimlayers import faults, ops
 from pimlayers.memory import BankGeometry, PimStore, PimTiming
 
 from ._harness import carried_time, device_time, fold_firsts, time_fn
-from .profile import kernel_seconds
+from .profile import kernel_events
 
 DATASHEET_TBS = 4.8  # NVIDIA H200: 4.8 TB/s HBM3e
 DIM, FFN, KV = 4096, 14336, 1024
@@ -62,13 +62,24 @@ def _once(fn, prepare, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def _dev(nbytes: int, seconds: float, read_s: float | None = None) -> dict:
-    """Columns from a kernels-only time: ms, GB/s, against the datasheet (and an XLA read of as
-    many bytes, where given)."""
+def _dev(nbytes: int, fn, *args, read_s: float | None = None) -> dict:
+    """Columns from the device kernels of one call of ``fn(*args)`` (a profiler trace; none on a
+    CPU): ms, GB/s, against the datasheet (and an XLA read of as many bytes, where given), and the
+    kernels by time, so that the main kernel's own rate (``dev_main_gbs``) is told apart from the
+    small XLA kernels around it (the scrub's per-bank table, say)."""
+    us, count = kernel_events(fn, *args)
+    if not us:
+        nan = float("nan")
+        return dict(dev_ms=nan, dev_gbs=nan, dev_vs_datasheet=nan)
+    seconds = sum(us.values()) / 1e6
     gbs = nbytes / seconds / 1e9
     out = dict(dev_ms=seconds * 1e3, dev_gbs=gbs, dev_vs_datasheet=gbs / (DATASHEET_TBS * 1e3))
     if read_s is not None:
         out["dev_vs_read"] = read_s / seconds
+    top = us.most_common()
+    out["dev_kernels"] = [[name, round(t, 2), count[name]] for name, t in top[:8]]
+    out["dev_main_gbs"] = nbytes / (top[0][1] / 1e6) / 1e9
+    out["dev_rest_us"] = sum(t for _, t in top[1:])
     return out
 
 
@@ -91,14 +102,15 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
     t_read = device_time(read, flat, fold=lambda s: s)
     read_gbs = nbytes / t_read / 1e9
     rows.append(dict(op="device copy (XLA, read+write)", gbytes=gb, ms=t_copy * 1e3, gbs=copy_gbs))
-    d_read = kernel_seconds(jax.jit(read), flat)
+    read_dev = _dev(nbytes, jax.jit(read), flat)
+    d_read = read_dev["dev_ms"] / 1e3
     rows.append(
         dict(
             op="one read of the parameters (XLA sum)",
             gbytes=gb,
             ms=t_read * 1e3,
             gbs=read_gbs,
-            **_dev(nbytes, d_read),
+            **read_dev,
         )
     )
 
@@ -117,7 +129,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_one_read=t_enc / t_read,
             parity_fraction=over["parity_fraction"],
             call_ms=time_fn(store._encode, params, iters=10) * 1e3,
-            **_dev(encoded, kernel_seconds(store._encode, params)),
+            **_dev(encoded, store._encode, params),
         )
     )
 
@@ -150,7 +162,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_read=sc_gbs / read_gbs,
             vs_datasheet=sc_gbs / (DATASHEET_TBS * 1e3),
             call_ms=time_fn(store._scrub, params, state, iters=10) * 1e3,
-            **_dev(scrubbed, kernel_seconds(store._scrub, params, state), d_read * scrubbed / nbytes),
+            **_dev(scrubbed, store._scrub, params, state, read_s=d_read * scrubbed / nbytes),
         )
     )
     # The same store over float32 parameters: what a training step's scrub reads (its master
@@ -167,7 +179,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             ms=t32 * 1e3,
             gbs=scrubbed32 / t32 / 1e9,
             vs_datasheet=scrubbed32 / t32 / 1e9 / (DATASHEET_TBS * 1e3),
-            **_dev(scrubbed32, kernel_seconds(store32._scrub, p32, state32)),
+            **_dev(scrubbed32, store32._scrub, p32, state32),
         )
     )
     del p32, store32, state32
