@@ -59,6 +59,26 @@ def test_memory_suite_quick_runs_and_repairs():
     assert any(op.startswith("gemv") for op in rows)
 
 
+def test_memory_dev_columns_name_the_kernels_and_the_main_kernels_rate(monkeypatch):
+    """The device branch of the memory suite's kernel columns (a GPU's trace), fed a fake trace."""
+    import collections
+
+    from benchmarks import memory
+
+    us = collections.Counter({"verify_many": 450.0, "fusion_1": 6.0, "fusion_2": 4.0})
+    count = collections.Counter({"verify_many": 1, "fusion_1": 1, "fusion_2": 2})
+    monkeypatch.setattr(memory, "kernel_events", lambda fn, *args: (us, count))
+    row = memory._dev(2_000_000_000, None, read_s=0.0005)
+    assert row["dev_ms"] == pytest.approx(0.46) and row["dev_gbs"] == pytest.approx(2e9 / 460e-6 / 1e9)
+    assert row["dev_vs_read"] == pytest.approx(0.5 / 0.46)
+    assert row["dev_kernels"] == [["verify_many", 450.0, 1], ["fusion_1", 6.0, 1], ["fusion_2", 4.0, 2]]
+    assert row["dev_main_gbs"] == pytest.approx(2e9 / 450e-6 / 1e9) and row["dev_rest_us"] == 10.0
+    monkeypatch.setattr(
+        memory, "kernel_events", lambda fn, *args: (collections.Counter(), collections.Counter())
+    )
+    assert all(math.isnan(v) for v in memory._dev(1, None).values())
+
+
 def test_launch_suite_counts_its_kernels_and_splits_their_cost():
     from benchmarks import launch
 
@@ -1354,3 +1374,39 @@ def test_peers_idle_columns_name_the_longest_waits(monkeypatch):
     top = "redo > dq 200; flash_fwd > redo 30; c > d 5"
     assert cols == dict(span_ms=5.0, idle_ms=0.3, between_ms=0.012, idle_top=top)
     assert peers._idle_cols("cuDNN flash attention", None, ()) == {}
+
+
+def test_matmul_suite_and_parts_time_the_fused_plain_checks_as_on_a_hopper_gpu(monkeypatch):
+    """The Hopper-only branches of ``matmul._shape`` (``fused_c1``) and ``matmul.parts``
+    (``protected_fused_c1``, ``fused_checked_kernel``), the kernels' references standing in: checked
+    (no detection on the clean product; two unlocatable errors in a block redone by the device
+    redo) before they are timed in columns of their own."""
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+    from pimlayers import FaultPolicy
+    from pimlayers.ops import _fused_gemm, _protected_matmul, _redo_kernel
+
+    monkeypatch.setattr(matmul, "hopper", lambda: True)
+    monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
+    monkeypatch.setattr(
+        _protected_matmul, "_fused_checked_kernel", lambda: _fused_gemm.fused_gemm_checked_reference
+    )
+    monkeypatch.setattr(_redo_kernel, "redo_kernel_chosen", lambda p: p.recompute_blocks is None)
+    monkeypatch.setattr(matmul, "_redo_kernel_timed", lambda dtype, policy: True)
+    monkeypatch.setattr(matmul, "time_pair", lambda a, aa, b, ab: (1e-3, 2e-3, 0.5))
+    monkeypatch.setattr(matmul, "time_fn", lambda f, *a: 4e-3)
+    rows = matmul._shape(256, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128), frozenset({"fused_c1"}))
+    assert [r["op"] for r in rows] == ["fwd 128->256", "fwd+bwd 128->256"]
+    assert all(r["fused_c1_ms"] == 2.0 and r["fused_c1_ratio"] == 0.5 for r in rows)
+    assert all("fused_ms" not in r and "c1_only_ms" not in r for r in rows)  # not asked for
+
+    def checked(a, b, tiles, terms):  # the parts' kernel alone, on the reference
+        return _fused_gemm.fused_gemm_checked_reference(a, b, tiles, terms)
+
+    monkeypatch.setattr(matmul, "fused_gemm_checked", checked)
+    monkeypatch.setattr(matmul, "fused_gemm", _fused_gemm.fused_gemm_reference)
+    (row,) = matmul.parts(m=256, shapes=((128, 256),), dtype=jnp.bfloat16, block_ns=(128,))
+    for name in ("protected_fused", "protected_fused_c1", "fused_kernel", "fused_checked_kernel"):
+        assert row[f"{name}_ms"] == 4.0, name
+    assert row["ratio_fused_c1"] == row["plain_ms"] / 4.0
