@@ -67,6 +67,8 @@ _GEMM_VARIANTS = (
     ("fused_redo_kernel", "fused GEMM, device redo"),
     ("fused", "fused GEMM"),
     ("checks_kernel", "one-read checks kernel"),
+    ("c1_only", "plain checks"),
+    ("fused_c1", "fused GEMM, plain checks in its kernel"),
 )
 
 
@@ -75,12 +77,16 @@ def _gemm(res: dict) -> list[dict]:
     out = []
     for r in filter(want, res["rows"]):
         peer, ours = f"XLA GEMM {r['plain_ms']:.3g} ms", f"{r['protected_ms']:.3g} ms"
-        # A file without loop columns predates the device redo as the default: its default was the
+        # Rows name the default's recompute (`recompute`) since 2026-12-06 (the first file of that
+        # day, run with `--variants` and so without loop columns, ran the device redo too); before,
+        # a file without loop columns predates the device redo as the default: its default was the
         # loop, named so that the op alone always means today's default.
-        case = r["op"] if "loop_ms" in r else f"{r['op']}, recompute loop"
+        redo = "loop_ms" in r or str(res.get("date", "")) >= "2026-12-06"
+        loop = r.get("recompute", "device kernel" if redo else "loop") == "loop"
+        case = f"{r['op']}, recompute loop" if loop else r["op"]
         out.append(_row(1, res, case, peer, ours, r["ratio"], 1.0))
         for col, what in _GEMM_VARIANTS:
-            if col == "fused" and "loop_ms" not in r:
+            if col == "fused" and loop:
                 what += ", recompute loop"  # the default of its day
             if _num(r.get(f"{col}_ratio")):
                 ours = f"{r[f'{col}_ms']:.3g} ms"

@@ -62,11 +62,12 @@ def _once(fn, prepare, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def _dev(nbytes: int, fn, *args, read_s: float | None = None) -> dict:
+def _dev(nbytes: int, fn, *args, read_s: float | None = None, main: bool = False) -> dict:
     """Columns from the device kernels of one call of ``fn(*args)`` (a profiler trace; none on a
     CPU): ms, GB/s, against the datasheet (and an XLA read of as many bytes, where given), and the
-    kernels by time, so that the main kernel's own rate (``dev_main_gbs``) is told apart from the
-    small XLA kernels around it (the scrub's per-bank table, say)."""
+    kernels by time. ``main``: one kernel moves all the bytes (the encode's, the scrub's), so its own
+    rate (``dev_main_gbs``) is told apart from the small XLA kernels around it (``dev_rest_us``:
+    the scrub's per-bank table, say)."""
     us, count = kernel_events(fn, *args)
     if not us:
         nan = float("nan")
@@ -78,8 +79,9 @@ def _dev(nbytes: int, fn, *args, read_s: float | None = None) -> dict:
         out["dev_vs_read"] = read_s / seconds
     top = us.most_common()
     out["dev_kernels"] = [[name, round(t, 2), count[name]] for name, t in top[:8]]
-    out["dev_main_gbs"] = nbytes / (top[0][1] / 1e6) / 1e9
-    out["dev_rest_us"] = sum(t for _, t in top[1:])
+    if main:
+        out["dev_main_gbs"] = nbytes / (top[0][1] / 1e6) / 1e9
+        out["dev_rest_us"] = sum(t for _, t in top[1:])
     return out
 
 
@@ -129,7 +131,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_one_read=t_enc / t_read,
             parity_fraction=over["parity_fraction"],
             call_ms=time_fn(store._encode, params, iters=10) * 1e3,
-            **_dev(encoded, store._encode, params),
+            **_dev(encoded, store._encode, params, main=True),
         )
     )
 
@@ -162,7 +164,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             vs_read=sc_gbs / read_gbs,
             vs_datasheet=sc_gbs / (DATASHEET_TBS * 1e3),
             call_ms=time_fn(store._scrub, params, state, iters=10) * 1e3,
-            **_dev(scrubbed, store._scrub, params, state, read_s=d_read * scrubbed / nbytes),
+            **_dev(scrubbed, store._scrub, params, state, read_s=d_read * scrubbed / nbytes, main=True),
         )
     )
     # The same store over float32 parameters: what a training step's scrub reads (its master
@@ -179,7 +181,7 @@ def run_store(layers: int = 4, dims=(DIM, FFN, KV), m: int = 4096) -> list[dict]
             ms=t32 * 1e3,
             gbs=scrubbed32 / t32 / 1e9,
             vs_datasheet=scrubbed32 / t32 / 1e9 / (DATASHEET_TBS * 1e3),
-            **_dev(scrubbed32, store32._scrub, p32, state32),
+            **_dev(scrubbed32, store32._scrub, p32, state32, main=True),
         )
     )
     del p32, store32, state32

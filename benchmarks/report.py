@@ -75,9 +75,11 @@ their dispatch. From 2026-12-04 the `dev_*` columns are the kernels' own device 
 profiler trace: the timed loop's per-trip wait on its predicate, ~30 us on an H200, is out; goal 3
 reads `dev_vs_datasheet`), and "scrub, float32 parameters" scrubs the same weights in f32 (3.9 GB
 with parity), what a training step's scrub of its master weights reads. Later runs add `dev_kernels`
-(each kernel of that call: name, µs, launches; the eight longest), `dev_main_gbs` (the bytes over the
-longest kernel's time alone) and `dev_rest_us` (every other kernel: the small XLA kernels around the
-scrub's verify kernel, such as its per-bank fault table). "update + encode" carries
+(each kernel of that call: name, µs, launches; the eight longest) and, on the encode and scrub rows,
+`dev_main_gbs` (the bytes over their one kernel's time alone) and `dev_rest_us` (every other kernel:
+the small XLA kernels around the scrub's verify kernel, such as its per-bank fault table); the first
+such file (`memory-s47`) also gave `dev_main_gbs` for the XLA read, whose bytes several reduction
+kernels share: there it means nothing. "update + encode" carries
 the parameters through the loop and writes the protection data as a fresh output each step, as a
 jitted training step does; "(state carried)" carries it too.
 "train step + scrub"

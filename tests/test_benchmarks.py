@@ -68,11 +68,12 @@ def test_memory_dev_columns_name_the_kernels_and_the_main_kernels_rate(monkeypat
     us = collections.Counter({"verify_many": 450.0, "fusion_1": 6.0, "fusion_2": 4.0})
     count = collections.Counter({"verify_many": 1, "fusion_1": 1, "fusion_2": 2})
     monkeypatch.setattr(memory, "kernel_events", lambda fn, *args: (us, count))
-    row = memory._dev(2_000_000_000, None, read_s=0.0005)
+    row = memory._dev(2_000_000_000, None, read_s=0.0005, main=True)
     assert row["dev_ms"] == pytest.approx(0.46) and row["dev_gbs"] == pytest.approx(2e9 / 460e-6 / 1e9)
     assert row["dev_vs_read"] == pytest.approx(0.5 / 0.46)
     assert row["dev_kernels"] == [["verify_many", 450.0, 1], ["fusion_1", 6.0, 1], ["fusion_2", 4.0, 2]]
     assert row["dev_main_gbs"] == pytest.approx(2e9 / 450e-6 / 1e9) and row["dev_rest_us"] == 10.0
+    assert "dev_main_gbs" not in memory._dev(2_000_000_000, None)  # several kernels share the bytes
     monkeypatch.setattr(
         memory, "kernel_events", lambda fn, *args: (collections.Counter(), collections.Counter())
     )

@@ -356,7 +356,7 @@ def test_checked_kernel_matches_reference_on_hopper(shape, b_t):
     with pytest.raises(ValueError, match="does not tile"):
         _fused_gemm.fused_gemm_checked(x[:100], b, tiles, terms, b_t=b_t)
     with pytest.raises(ValueError, match="expected bfloat16"):
-        _fused_gemm.fused_gemm_checked(x, b, tiles[:1], terms, b_t=b_t)
+        _fused_gemm.fused_gemm_checked(x, b, tiles[:, :1], terms, b_t=b_t)
     with pytest.raises(ValueError, match="expected"):  # K not the operands' common axis
         _fused_gemm.fused_gemm_checked(x[:, :-64], b, tiles, terms, b_t=b_t)
 
