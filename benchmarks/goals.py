@@ -127,6 +127,7 @@ def _step(res: dict) -> list[dict]:
     out = []
     for r in filter(want, res["rows"]):
         case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
+        case += ", plain checks" if r.get("checks") == "c1 only" else ""
         theirs = f"cuDNN step {peer['step_ms']:.4g} ms" if peer else ""
         ours = f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}"
         row = _row(
