@@ -233,6 +233,12 @@ def test_asked_for_the_checks_lower_to_it_for_a_gpu_and_stay_xlas_elsewhere(monk
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # on the CPU: XLA's dots
     wide = _weights((), 128, 256 * 128, 128)  # 256 blocks: too many columns, XLA's dots stay
     assert _abft._with_checks_kernel(xla, x, wide, 128, False, 8.0) is xla
+    # 40 blocks (280 columns): the kernel holds them, but at that width XLA's checks were faster
+    # (PROTECTED_COLUMNS), so the protected GEMMs keep them.
+    mid = _weights((), 128, 40 * 128, 128)
+    assert checks_kernel_applies(x, mid.sums, 3, 1, False)
+    assert not checks_kernel_applies(x, mid.sums, 3, 1, False, max_columns=_checks_kernel.PROTECTED_COLUMNS)
+    assert _abft._with_checks_kernel(xla, x, mid, 128, False, 8.0) is xla
     # Transposed checks contract over the rows a data-parallel x has split: with several devices
     # (this suite runs 8 CPU devices) XLA's dots, which add the partial sums, stay.
     batch = _weights((2,), 128, 512, 128)

@@ -409,10 +409,18 @@ def _with_checks_kernel(
     device checks its own, as the native CPU checks do: ``row_parallel``). Transposed checks
     contract over the rows, which a data-parallel x has split: there, with several devices,
     XLA's dots stay (they add the devices' partial sums)."""
-    from ._checks_kernel import checks_kernel, checks_kernel_applies, checks_kernel_wanted
+    from ._checks_kernel import (
+        PROTECTED_COLUMNS,
+        checks_kernel,
+        checks_kernel_applies,
+        checks_kernel_wanted,
+        protected_grid,
+    )
 
     c_terms, mag_terms, scale = _check_terms(k, lam)
-    applies = checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed, weighted)
+    applies = checks_kernel_applies(
+        x, enc.sums, c_terms, mag_terms, transposed, weighted, max_columns=PROTECTED_COLUMNS
+    )
     if not (checks_kernel_wanted() and applies):
         return reference
     if transposed and jax.device_count() > 1:
@@ -420,8 +428,18 @@ def _with_checks_kernel(
 
     def kernel(v, s, a):
         a = a if scale == 1.0 else a * jnp.float32(scale)  # as _checks_reference scales them
+        bm, splits = protected_grid(transposed)
         return checks_kernel(
-            v, s, a, c_terms, mag_terms, transposed=transposed, interpret=False, weighted=weighted
+            v,
+            s,
+            a,
+            c_terms,
+            mag_terms,
+            transposed=transposed,
+            interpret=False,
+            bm=bm,
+            splits=splits,
+            weighted=weighted,
         )
 
     def switch(v, s, a):

@@ -39,10 +39,12 @@ from ._redo_kernel import _device_runs_it, load_a_tile, plt
 
 __all__ = [
     "MAX_COLUMNS",
+    "PROTECTED_COLUMNS",
     "accumulation_tolerance",
     "checks_kernel",
     "checks_kernel_applies",
     "checks_kernel_wanted",
+    "protected_grid",
 ]
 
 _BM = 64  # rows per program (default): 128 programs at M = 8192, about one per SM of an H100 / H200
@@ -53,6 +55,19 @@ _MIN_PIECE = 16  # Triton's smallest dot width
 # 96 registers a thread. Enough for attention's q/k/v together (368 padded) and every 4096-wide
 # product's checks (224); not the MLP's gate and up (1,568), whose check GEMM XLA keeps.
 MAX_COLUMNS = 384
+# What the protected GEMMs' checks take when asked for the kernel, from `python -m benchmarks.run
+# --suite checks` (H200, M = 8192, 2026-12-06, checks-s47, µs against XLA's checks): 64-row programs
+# with K cut in 2 slices for x·[...] (40.7 against 48.2 at 4096 -> 1024's 56 columns, 51.7 against
+# 56.0 at 4096 -> 4096's 224, 154.3 against 168.9 at K = 14336; one slice took 49.1, 56.9, 172.7),
+# in 4 for the transposed checks (xᵀ·[...], the weight gradients': 40.3 against 47.2; one slice
+# 79.4), and only up to 224 columns padded: at q/k/v's 336 (weighted) the best grid took 83.4
+# against XLA's 65.0.
+PROTECTED_COLUMNS = 224
+
+
+def protected_grid(transposed: bool) -> tuple[int, int]:
+    """``(bm, splits)`` for the protected GEMMs' checks (``PROTECTED_COLUMNS``'s measurement)."""
+    return _BM, 4 if transposed else 2
 
 
 def accumulation_tolerance(k: int) -> float:
@@ -102,13 +117,20 @@ def _gpu_runs_it() -> bool:
 
 
 def checks_kernel_applies(
-    x, sums, c_terms: int, mag_terms: int, transposed: bool, weighted: bool = True
+    x,
+    sums,
+    c_terms: int,
+    mag_terms: int,
+    transposed: bool,
+    weighted: bool = True,
+    max_columns: int = MAX_COLUMNS,
 ) -> bool:
     """Whether :func:`checks_kernel` takes these checks: a bf16 x (the split-term checks; an f16 or
     f32 x has XLA's f32 GEMMs) of one weight's checks (sums (K, nb, 2)) or a batch matching the
     weights' (x (G, R, K) or, ``transposed``, (G, K, R) against sums (G, K, nb, 2)), non-empty, and
-    at most ``MAX_COLUMNS`` columns padded (c1's and c2's terms, or ``weighted=False`` c1's alone,
-    and mag's)."""
+    at most ``max_columns`` (``MAX_COLUMNS``, what it holds; the protected GEMMs ask for
+    ``PROTECTED_COLUMNS``, where it won) columns padded (c1's and c2's terms, or ``weighted=False``
+    c1's alone, and mag's)."""
     if x.dtype != jnp.bfloat16 or plt is None:
         return False
     *g, _, nb, _ = sums.shape
@@ -118,7 +140,8 @@ def checks_kernel_applies(
         return False
     if min(x.shape, default=0) <= 0 or nb <= 0:
         return False
-    return _padded((2 if weighted else 1) * nb * c_terms) + _padded(nb * mag_terms) <= MAX_COLUMNS
+    columns = _padded((2 if weighted else 1) * nb * c_terms) + _padded(nb * mag_terms)
+    return columns <= min(max_columns, MAX_COLUMNS)
 
 
 def _kernel(x_ref, pc_ref, pm_ref, oc_ref, om_ref, *, r, k, a_t, bm, steps, pieces_c, pieces_m):
