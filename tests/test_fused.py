@@ -478,6 +478,36 @@ def test_dx_takes_the_checked_kernel_with_w_in_place(fused, monkeypatch):
     np.testing.assert_allclose(np.asarray(gx, np.float32), dx0, rtol=2**-7, atol=1e-6)
 
 
+def test_wide_products_keep_the_check_gemms(fused, monkeypatch):
+    """Past ``CHECKED_MAX_N`` output columns (lowered here to 128, so this N = 256 and dx's K = 256
+    are wide) the plain-checks fused path runs the fused kernel without the checks in it, c1 and mag
+    from ``abft_checks``, and dx the unfused path; the checked kernel is never called."""
+    policy = PLAIN_FUSED.replace(recompute_kernel=True)
+    monkeypatch.setattr(_protected_matmul, "CHECKED_MAX_N", 128)
+    used, calls = [], []
+    checked = _protected_matmul._fused_checked_kernel()
+
+    def spy(*args, **kwargs):
+        used.append(1)
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: spy)
+    checks = _protected_matmul.abft_checks
+    monkeypatch.setattr(_protected_matmul, "abft_checks", lambda *a, **k: calls.append(1) or checks(*a, **k))
+    x, w = _xw(k=256)
+    g = jax.random.normal(jax.random.key(9), (M, N)).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def loss(a, b, p):
+        y, _ = ops.protected_matmul(a, b, policy=p)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, policy)
+    assert not used and calls  # the forward's checks from XLA's GEMMs, no checked kernel
+    gx0, gw0 = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, policy.replace(fused=False))
+    assert np.asarray(gx).tobytes() == np.asarray(gx0).tobytes()  # dx: the unfused path
+    assert np.asarray(gw).tobytes() == np.asarray(gw0).tobytes()
+
+
 # redo_tiles, the device redo (interpreted here); the checks from the kernel or from XLA's GEMMs
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("in_kernel", [True, False])

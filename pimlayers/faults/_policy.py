@@ -73,7 +73,10 @@ class FaultPolicy:
     # gathers and slices, which XLA partitions by gathering y to every device: there the device
     # kernel redoes instead (recompute_kernel, by default on the GPUs that run it; then nothing is
     # gathered; tested on 8 CPU devices with XLA standing in for the fused kernel). Not tested on a
-    # GPU under vmap, sharding, or for the CPU of a GPU host.
+    # GPU under vmap, sharding, or for the CPU of a GPU host. With weighted_checks=False and
+    # locate=False the kernel forms c1 and mag itself where the product is at most 1024 columns wide
+    # (ops._protected_matmul.CHECKED_MAX_N: there it beat the check GEMMs on an H200; wider, its
+    # extra small tensor-core product per K step cost 22-31%, 2026-12-06).
     fused: bool = False
     # Recompute what a check detected but could not locate with one device kernel (bf16 / f16
     # operands; pimlayers/ops/_redo_kernel.py): launched over every tile of the product, it computes

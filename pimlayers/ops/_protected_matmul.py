@@ -361,6 +361,18 @@ def _fused_checked_kernel():
     return fused_gemm_checked if hopper() else None
 
 
+# The widest product (N) for which the fused path forms its checks in the kernel. Measured on an H200
+# (2026-12-06, M = 8192; matmul-s47 and the kernels alone, docs/gpu-tests.md): the kernel's second
+# small wgmma per K step costs far more than its 6.25% of the multiply-adds (4096 -> 14336: 1.75 ms
+# against the fused kernel's 1.34-1.47 and XLA's 1.42; 14336 -> 4096: 1.70 against 1.40), so wide
+# products keep the fused kernel with XLA's check GEMMs (forward 0.879x of the plain GEMM against
+# 0.714x at 4096 -> 14336); at 4096 -> 1024, where the check GEMMs' read of x is most of what
+# protection adds, the checks in the kernel won (forward 0.692x against 0.597x, forward+backward
+# 0.615x against 0.600x). The backward's dx (N = the forward's K, 4096 or more here) keeps the
+# unfused path.
+CHECKED_MAX_N = 1024
+
+
 def _fused_config(k: int, n: int) -> FusedConfig:
     """Tiling for a (K, N) weight. One configuration so far: on an H200 at M = 8192 it was the
     fastest of six at all four Llama-3-8B shapes (0.95-0.99x XLA's unprotected GEMM, with the first
@@ -375,7 +387,8 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
     runs the kernel, with ``impl="auto"`` ("native" keeps the unfused native check, "reference" the
     pure-JAX one). A transposed a (the weight gradient's xᵀ) keeps the unfused path; a transposed b
     (dx = dy @ wᵀ) takes it with the plain checks, which the kernel forms itself
-    (``fused_gemm_checked``), where what is detected is redone by the device kernel or not at all.
+    (``fused_gemm_checked``), where what is detected is redone by the device kernel or not at all,
+    and dx is at most ``CHECKED_MAX_N`` columns wide (where the checks in the kernel won).
 
     With ``recompute`` only a branch-free redo is taken there (``_fused_check.redo_tiles``, or with
     ``recompute_kernel`` the device kernel, ``_redo_kernel``): a whole recompute would need a
@@ -393,8 +406,10 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
     if b_t:
         redo_ok = not policy.recompute or redo_kernel_wanted(policy)
         checked = _fused_checked_kernel() is not None and not policy.weighted_checks and redo_ok
-        return checked and fused_gemm_checked_supported(
-            m, k, b.shape[1], a.dtype, _fused_config(k, b.shape[1])
+        return (
+            checked
+            and b.shape[1] <= CHECKED_MAX_N
+            and fused_gemm_checked_supported(m, k, b.shape[1], a.dtype, _fused_config(k, b.shape[1]))
         )
     return _fused_kernel() is not None and fused_gemm_supported(m, k, b.shape[2], a.dtype)
 
@@ -416,7 +431,10 @@ def _checked_gemm_fused(
     weighted = policy.weighted_checks
     checked = _fused_checked_kernel()
     if b_t or (
-        not weighted and checked is not None and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg)
+        not weighted
+        and checked is not None
+        and n <= CHECKED_MAX_N
+        and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg)
     ):
         # The plain checks from the GEMM's own read of x (c1 and mag in the kernel: no check GEMMs).
         tiles, terms = check_tiles_of(enc, policy.lam)
