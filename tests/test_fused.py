@@ -508,6 +508,41 @@ def test_wide_products_keep_the_check_gemms(fused, monkeypatch):
     assert np.asarray(gw).tobytes() == np.asarray(gw0).tobytes()
 
 
+@pytest.mark.parametrize("kernel", [False, True])  # redo_tiles, or the device redo (interpreted)
+def test_projections_of_one_input_share_one_check_gemm_on_the_fused_path(fused, monkeypatch, kernel):
+    """``protected_matmuls`` with ``fused=True`` (the weighted checks, which the kernel does not form):
+    each product on the fused kernel, every product's checks from one check GEMM over x (as the
+    unfused path shares them; before, each fused product read x for its own), read at its block
+    offset; clean products equal the unshared fused path's, and a fault in the second product's
+    blocks (offset 4) is found and redone."""
+    monkeypatch.setattr(_protected_matmul, "checks_native_everywhere", lambda: False)
+    calls = []
+    checks = _protected_matmul.abft_checks
+    monkeypatch.setattr(
+        _protected_matmul,
+        "abft_checks",
+        lambda a, e, **kw: calls.append(e.abs_sums.shape[-1]) or checks(a, e, **kw),
+    )
+    policy = FUSED.replace(recompute_kernel=kernel)
+    x, w1 = _xw()
+    w2 = _xw(seed=1)[1][:, :256]
+    run = jax.jit(lambda a, b, c, f2: ops.protected_matmuls(a, (b, c), policy=policy, faults=(None, f2)))
+    none = GemmFaults.none()
+    (y1, y2), r = run(x, w1, w2, none)
+    assert calls == [4 + 2]  # one check GEMM: 4 + 2 blocks side by side
+    assert r.to_dict()["gemm_detected"] == 0
+    for y, w in ((y1, w1), (y2, w2)):
+        alone, _ = _pmm(policy)(x, w, none)
+        assert np.asarray(y).tobytes() == np.asarray(alone).tobytes()
+    clean = _plain(x, w2)
+    cols = [_big(clean, 7, 0, 128), _big(clean, 7, 130, 256)]  # two errors in row 7: unlocatable
+    (z1, z2), r = run(x, w1, w2, _sites([7, 7], cols, [30, 30]))
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 2, 0), d
+    assert np.asarray(z1).tobytes() == np.asarray(y1).tobytes()
+    _assert_redone(z2, clean)
+
+
 # redo_tiles, the device redo (interpreted here); the checks from the kernel or from XLA's GEMMs
 @pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("in_kernel", [True, False])

@@ -76,7 +76,10 @@ class FaultPolicy:
     # GPU under vmap, sharding, or for the CPU of a GPU host. With weighted_checks=False and
     # locate=False the kernel forms c1 and mag itself where the product is at most 1024 columns wide
     # (ops._protected_matmul.CHECKED_MAX_N: there it beat the check GEMMs on an H200; wider, its
-    # extra small tensor-core product per K step cost 22-31%, 2026-12-06).
+    # extra small tensor-core product per K step cost 22-31%, 2026-12-06). Projections of one input
+    # (protected_matmuls: q/k/v, gate/up) share one check GEMM on the fused path too since
+    # 2026-12-06; the step measurements above predate that (each fused product read x for its own
+    # checks), not yet measured since.
     fused: bool = False
     # Recompute what a check detected but could not locate with one device kernel (bf16 / f16
     # operands; pimlayers/ops/_redo_kernel.py): launched over every tile of the product, it computes

@@ -165,8 +165,8 @@ def _checked_gemm(
         # differ by the operand's rounding, far beyond the bound: false detections (seen on CPU).
         # An f32 operand has no rounding to lose, and the barrier costs a copy of it on the CPU.
         a = lax.optimization_barrier(a)
-    if checks is None and _fused_applies(a, b, policy, out_dtype, impl, a_t, b_t):
-        return _checked_gemm_fused(a, b, enc, policy, faults, precision, role, b_t)
+    if _fused_applies(a, b, policy, out_dtype, impl, a_t, b_t):
+        return _checked_gemm_fused(a, b, enc, policy, faults, precision, role, b_t, checks)
     prod = _product_dtype(a, b, out_dtype)
     y = _dot(a, b, precision, a_t, b_t, prod)
     y = inject_gemm_faults(y.reshape(g * r, n), faults).reshape(g, r, n)
@@ -268,8 +268,12 @@ def _checked_gemms(
     """
     # Native checks (a CPU-only process): each product's own, ordered after it (checks_after).
     shared = policy.enabled and len(bs) > 1 and not checks_native_everywhere()
-    if shared and any(_fused_applies(a, b, policy, out_dtype, impl, a_t, False) for b in bs):
-        shared = False  # the fused kernel forms its own checks
+    forms = lambda b: (
+        _fused_applies(a, b, policy, out_dtype, impl, a_t, False)
+        and _kernel_forms_checks(a.shape[1], a.shape[2], b.shape[2], a.dtype, policy)
+    )
+    if shared and any(forms(b) for b in bs):
+        shared = False  # a fused kernel forms its own checks (the fused path without them shares)
     checks = [None] * len(bs)
     if shared:
         if a.dtype != jnp.float32:
@@ -414,8 +418,27 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
     return _fused_kernel() is not None and fused_gemm_supported(m, k, b.shape[2], a.dtype)
 
 
+def _kernel_forms_checks(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> bool:
+    """Whether the fused path of an (M, K) @ (K, N) GEMM forms its checks in the kernel
+    (``fused_gemm_checked``): the plain checks, a Hopper GPU, at most ``CHECKED_MAX_N`` columns."""
+    return (
+        not policy.weighted_checks
+        and _fused_checked_kernel() is not None
+        and n <= CHECKED_MAX_N
+        and fused_gemm_checked_supported(m, k, n, dtype, _fused_config(k, n))
+    )
+
+
 def _checked_gemm_fused(
-    a, b, enc: WeightChecksums, policy: FaultPolicy, faults, precision, role: str, b_t: bool = False
+    a,
+    b,
+    enc: WeightChecksums,
+    policy: FaultPolicy,
+    faults,
+    precision,
+    role: str,
+    b_t: bool = False,
+    checks=None,
 ):
     """``_checked_gemm`` for one bf16 GEMM on the fused kernel: y and its block sums from one kernel,
     the check on the sums (y is not read again), detected blocks redone without a branch.
@@ -425,20 +448,18 @@ def _checked_gemm_fused(
     reported uncorrectable (``fault_aware`` then skips the step), never silent. The unfused path
     would have corrected a located error in place and gated non-finite values; this one trades that
     for no redo's fixed-shape gathers and GEMM on every call.
+
+    ``checks``: ``(c, mag, offset)`` from a check GEMM shared by several products of ``a``
+    (:func:`_checked_gemms`), this product's blocks from ``offset`` on; None: its own.
     """
     k, n = a.shape[2], b.shape[1 if b_t else 2]
     cfg = _fused_config(k, n)
     weighted = policy.weighted_checks
-    checked = _fused_checked_kernel()
-    if b_t or (
-        not weighted
-        and checked is not None
-        and n <= CHECKED_MAX_N
-        and fused_gemm_checked_supported(a.shape[1], k, n, a.dtype, cfg)
-    ):
+    off = 0
+    if b_t or (checks is None and _kernel_forms_checks(a.shape[1], k, n, a.dtype, policy)):
         # The plain checks from the GEMM's own read of x (c1 and mag in the kernel: no check GEMMs).
         tiles, terms = check_tiles_of(enc, policy.lam)
-        y, sums4 = fused_rows(checked, a[0], b[0], cfg, tiles, terms, b_t)
+        y, sums4 = fused_rows(_fused_checked_kernel(), a[0], b[0], cfg, tiles, terms, b_t)
         y, sums = inject_fused(y, sums4[:2], faults)
         c1 = sums4[2].T
         c, mag = jnp.stack([c1, jnp.zeros_like(c1)], axis=-1)[None], sums4[3].T[None]
@@ -446,21 +467,26 @@ def _checked_gemm_fused(
         # Each device's rows of x (``_fused_rows``); on one device the plain call.
         y, sums = fused_rows(_fused_kernel(), a[0], b[0], cfg)
         y, sums = inject_fused(y, sums, faults)
-        c, mag = abft_checks(a, enc, weighted=weighted)
+        if checks is None:
+            c, mag = abft_checks(a, enc, weighted=weighted)
+        else:
+            c, mag, off = checks  # read in place by the redo kernel; sliced where XLA consumes them
+    nb = n // TILE
+    c_own, mag_own = c[..., off : off + nb, :], mag[..., off : off + nb]
     # (Margins are recorded against the unfused check's bound, which y's bf16 rounding widens.)
-    _margins.record(role, y[None], c, mag, a.dtype, **_margin_kw(policy, k))
-    flags = fused_flags(sums, c[0], mag[0], k, policy.lam, weighted)
+    _margins.record(role, y[None], c_own, mag_own, a.dtype, **_margin_kw(policy, k))
+    flags = fused_flags(sums, c_own[0], mag_own[0], k, policy.lam, weighted)
     if policy.recompute and redo_kernel_wanted(policy):  # every detected block, on the device kernel
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
         zeros = jnp.zeros(flags.shape, jnp.int32)  # nothing gated yet: the fused path has no finish
         y, gated, still, redone = redo_detected(
-            a, b, c, mag, y[None], flags[None], zeros[None], b_t=b_t, **_redo_kw(policy)
+            a, b, c, mag, y[None], flags[None], zeros[None], b_t=b_t, block_offset=off, **_redo_kw(policy)
         )
         y = y[0]
     elif policy.recompute:
         kw = dict(lam=policy.lam, precision=precision, gate=policy.gate, fill=policy.gate_fill)
         y, pending, still, gated, redone = redo_tiles(
-            a[0], b[0], c[0], mag[0], y, flags, weighted=weighted, **kw
+            a[0], b[0], c_own[0], mag_own[0], y, flags, weighted=weighted, **kw
         )
     else:
         pending = jnp.sum(flags == ABFT_DETECTED, dtype=jnp.int32)
