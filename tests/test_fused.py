@@ -620,6 +620,42 @@ def test_the_llama_step_runs_its_gemms_checks_in_the_fused_kernel(fused, monkeyp
     assert r1["gemm_checked"] == r2["gemm_checked"] > 0 and r1["gemm_detected"] == 0
 
 
+def test_the_llama_step_on_the_fused_path_shares_its_check_gemms(fused, monkeypatch):
+    """A Llama-3 block in bf16 under ``FaultPolicy(fused=True)`` (the weighted checks, the two-tile
+    redo), as where the checks are GEMMs (a GPU): q/k/v and gate/up each take one check GEMM, as
+    many as the unfused path traces; loss and gradients are the unfused path's to bf16 rounding,
+    and nothing is detected."""
+    from flax import nnx
+
+    from models.llama3 import Llama3, get_config
+
+    monkeypatch.setattr(_protected_matmul, "checks_native_everywhere", lambda: False)
+    calls = []
+    checks = _protected_matmul.abft_checks
+    monkeypatch.setattr(_protected_matmul, "abft_checks", lambda *a, **k: calls.append(1) or checks(*a, **k))
+    cfg = get_config("llama3_small", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
+
+    def loss_of(model):
+        logits = model(toks[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+    results, counts = [], []
+    for p in (FUSED.replace(recompute_kernel=False), FaultPolicy(recompute_kernel=False)):
+        calls.clear()
+        model = Llama3(cfg, policy=p, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model)
+        counts.append(len(calls))
+        results.append((loss, jax.tree.leaves(nnx.state(grads, nnx.Param)), pnnx_report(model)))
+    assert counts[0] == counts[1] > 0  # the fused path's check GEMMs shared as the unfused path's
+    (l1, g1, r1), (l2, g2, r2) = results
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-3)
+    for a, b in zip(g1, g2, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.max(np.abs(b))) + 1e-6)
+    assert r1["gemm_checked"] == r2["gemm_checked"] > 0 and r1["gemm_detected"] == 0
+
+
 def pnnx_report(model) -> dict:
     from pimlayers.flax import nnx as pnnx
 
