@@ -577,6 +577,38 @@ def test_plain_checks_on_the_fused_path(fused, monkeypatch, kernel, in_kernel):
     _assert_redone(y, clean)
 
 
+def _llama_block_steps(policies) -> list[tuple]:
+    """(loss, gradients, report) of one bf16 training step of a 1-layer llama3_small per policy, on
+    the same weights and tokens."""
+    from flax import nnx
+
+    from models.llama3 import Llama3, get_config
+
+    cfg = get_config("llama3_small", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
+
+    def loss_of(model):
+        logits = model(toks[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+    results = []
+    for p in policies:
+        model = Llama3(cfg, policy=p, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model)
+        results.append((loss, jax.tree.leaves(nnx.state(grads, nnx.Param)), pnnx_report(model)))
+    return results
+
+
+def _assert_same_step(results) -> None:
+    """Two steps' loss and gradients equal to bf16 rounding, as many GEMMs checked, none detected."""
+    (l1, g1, r1), (l2, g2, r2) = results
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-3)
+    for a, b in zip(g1, g2, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.max(np.abs(b))) + 1e-6)
+    assert r1["gemm_checked"] == r2["gemm_checked"] > 0 and r1["gemm_detected"] == 0
+
+
 @pytest.mark.slow
 def test_the_llama_step_runs_its_gemms_checks_in_the_fused_kernel(fused, monkeypatch):
     """A Llama-3 block in bf16 under ``FaultPolicy(fused=True, weighted_checks=False, locate=False,
@@ -584,10 +616,6 @@ def test_the_llama_step_runs_its_gemms_checks_in_the_fused_kernel(fused, monkeyp
     down projection and the head forward; their dx in the backward) run the checked fused kernel,
     the rest the unfused plain checks; the loss and gradients are the unfused path's to bf16
     rounding, and nothing is detected."""
-    from flax import nnx
-
-    from models.llama3 import Llama3, get_config
-
     calls = []
     checked = _protected_matmul._fused_checked_kernel()
 
@@ -596,28 +624,12 @@ def test_the_llama_step_runs_its_gemms_checks_in_the_fused_kernel(fused, monkeyp
         return checked(a, b, tiles, terms, config, b_t)
 
     monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: spy)
-    cfg = get_config("llama3_small", n_layers=1)
-    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
-
-    def loss_of(model):
-        logits = model(toks[:, :-1]).astype(jnp.float32)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
-
     policy = PLAIN_FUSED.replace(recompute_kernel=True)
-    results = []
     # (The unfused reference recomputes in its loop: clean, it runs nothing more, and the
     # interpreted redo kernel is what makes this test slow.)
-    for p in (policy, policy.replace(fused=False, recompute_kernel=False)):
-        model = Llama3(cfg, policy=p, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model)
-        results.append((loss, jax.tree.leaves(nnx.state(grads, nnx.Param)), pnnx_report(model)))
+    results = _llama_block_steps((policy, policy.replace(fused=False, recompute_kernel=False)))
     assert {b_t for _, b_t in calls} == {False, True} and all(s[0] == 128 for s, _ in calls)
-    (l1, g1, r1), (l2, g2, r2) = results
-    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-3)
-    for a, b in zip(g1, g2, strict=True):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.max(np.abs(b))) + 1e-6)
-    assert r1["gemm_checked"] == r2["gemm_checked"] > 0 and r1["gemm_detected"] == 0
+    _assert_same_step(results)
 
 
 def test_the_llama_step_on_the_fused_path_shares_its_check_gemms(fused, monkeypatch):
@@ -625,35 +637,17 @@ def test_the_llama_step_on_the_fused_path_shares_its_check_gemms(fused, monkeypa
     redo), as where the checks are GEMMs (a GPU): q/k/v and gate/up each take one check GEMM, as
     many as the unfused path traces; loss and gradients are the unfused path's to bf16 rounding,
     and nothing is detected."""
-    from flax import nnx
-
-    from models.llama3 import Llama3, get_config
-
     monkeypatch.setattr(_protected_matmul, "checks_native_everywhere", lambda: False)
     calls = []
     checks = _protected_matmul.abft_checks
     monkeypatch.setattr(_protected_matmul, "abft_checks", lambda *a, **k: calls.append(1) or checks(*a, **k))
-    cfg = get_config("llama3_small", n_layers=1)
-    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
-
-    def loss_of(model):
-        logits = model(toks[:, :-1]).astype(jnp.float32)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
-
-    results, counts = [], []
+    counts, results = [], []
     for p in (FUSED.replace(recompute_kernel=False), FaultPolicy(recompute_kernel=False)):
         calls.clear()
-        model = Llama3(cfg, policy=p, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model)
+        results += _llama_block_steps((p,))
         counts.append(len(calls))
-        results.append((loss, jax.tree.leaves(nnx.state(grads, nnx.Param)), pnnx_report(model)))
     assert counts[0] == counts[1] > 0  # the fused path's check GEMMs shared as the unfused path's
-    (l1, g1, r1), (l2, g2, r2) = results
-    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-3)
-    for a, b in zip(g1, g2, strict=True):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.max(np.abs(b))) + 1e-6)
-    assert r1["gemm_checked"] == r2["gemm_checked"] > 0 and r1["gemm_detected"] == 0
+    _assert_same_step(results)
 
 
 def pnnx_report(model) -> dict:
