@@ -409,18 +409,14 @@ def _fused_applies(a, b, policy: FaultPolicy, out_dtype, impl: str, a_t: bool, b
     m, k = a.shape[1], a.shape[2]
     if b_t:
         redo_ok = not policy.recompute or redo_kernel_wanted(policy)
-        checked = _fused_checked_kernel() is not None and not policy.weighted_checks and redo_ok
-        return (
-            checked
-            and b.shape[1] <= CHECKED_MAX_N
-            and fused_gemm_checked_supported(m, k, b.shape[1], a.dtype, _fused_config(k, b.shape[1]))
-        )
+        return redo_ok and _kernel_forms_checks(m, k, b.shape[1], a.dtype, policy)
     return _fused_kernel() is not None and fused_gemm_supported(m, k, b.shape[2], a.dtype)
 
 
 def _kernel_forms_checks(m: int, k: int, n: int, dtype, policy: FaultPolicy) -> bool:
-    """Whether the fused path of an (M, K) @ (K, N) GEMM forms its checks in the kernel
-    (``fused_gemm_checked``): the plain checks, a Hopper GPU, at most ``CHECKED_MAX_N`` columns."""
+    """Whether the fused path of an M x K by K x N product (b stored either way) forms its checks
+    in the kernel (``fused_gemm_checked``): the plain checks, a Hopper GPU, at most
+    ``CHECKED_MAX_N`` columns."""
     return (
         not policy.weighted_checks
         and _fused_checked_kernel() is not None
