@@ -25,8 +25,10 @@ dump the optimised programs and names, for each kernel, the op it came from (a f
 named after its HLO instruction, whose metadata holds the JAX scope: inside XLA's command buffers
 the trace's own scopes name only the buffer), with a table of all kernels grouped by op (ms and
 kernels launched per step). ``--compare`` runs nothing: it sets two such tables (``profile-sources``
-files of the protected and the unprotected step) side by side per op (``profile-compare``). ``--save
-TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
+files of the protected and the unprotected step) side by side per op (``profile-compare``) and per
+category (``profile-categories``: attention, GEMMs, check GEMMs, the checks' verify, encodes and
+XLA ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection adds in each.
+``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
 (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
 and Python frames left out): good enough to see the ops, not a GPU measurement.
@@ -423,18 +425,120 @@ def _group(path: str) -> str:
 
 
 def _family(kernel: str) -> str:
-    """A library kernel's row in the sources table (no HLO instruction carries its name)."""
+    """A library kernel's row in the sources table (no HLO instruction carries its name): cuBLAS's
+    and cuDNN's kernels each one row, this library's CUDA kernels one row per kernel function
+    (``void pimlayers::(anonymous namespace)::AbftTileKernel<...>(...)`` -> ``(pimlayers
+    AbftTileKernel)``: verify, encode and memory kernels are different costs)."""
+    name = kernel.removeprefix("void ")
     for prefix, family in (
         ("nvjet", "cuBLAS"),
         ("cutlass", "cuBLAS"),
         ("sm90_xmma", "cuBLAS"),
         ("cudnn", "cuDNN"),
     ):
-        if kernel.startswith(prefix):
+        if name.startswith(prefix):
             return f"({family} kernels)"
-    if "mosaic" in kernel:
+    if "mosaic" in name:
         return "(Mosaic GPU kernels: the verified flash attention)"
-    return f"({kernel.split('(')[0].split('<')[0][:60]})"
+    native = re.match(r"pimlayers::(?:\(anonymous namespace\)::)?(\w+)", name)
+    if native:
+        return f"(pimlayers {native.group(1)})"
+    return f"({name.split('(')[0].split('<')[0][:60]})"
+
+
+# Where a step's device time goes, coarser than ops: each op of a sources table (its ``_group`` or
+# ``_family`` name) falls in the first category one of whose patterns it contains. Protection's
+# cost per category is the protected step's time less the unprotected one's (``compare_categories``).
+CATEGORIES = (
+    (
+        "attention",
+        ("Mosaic GPU", "cuDNN", "cudnn", "pimlayers_flash", "Attention.core", "dot_product_attention"),
+    ),
+    ("check GEMMs", ("abft_checks/dot_general", "pimlayers_abft_checks", "checks_kernel")),
+    (
+        "checks: verify, correct, gate, redo",
+        (
+            "AbftTileKernel",
+            "AbftRowKernel",
+            "AbftWarpKernel",
+            "FinishKernel",
+            "GateKernel",
+            "pimlayers_abft_check",
+            "pimlayers_abft_finish",
+            "pimlayers_gate",
+            "redo_detected",
+        ),
+    ),
+    ("checks: weight encodes", ("AbftEncode", "pimlayers_abft_encode")),
+    (
+        "parameter memory: scrub, guard, repair",
+        (
+            "ManyKernel",
+            "GuardKernel",
+            "ChecksumKernel",
+            "ParityKernel",
+            "ReconstructKernel",
+            "pimlayers_bank",
+            "pimlayers_parity",
+            "pimlayers_reconstruct",
+            "pimlayers.memory",
+        ),
+    ),
+    # Tables written before the library's CUDA kernels got a row each lump them in one.
+    ("library CUDA kernels (an older table: not split)", ("(void pimlayers::)",)),
+    ("checks: XLA ops (split terms, counts, flags)", ("pimlayers.abft_", "pimlayers.protected_matmul")),
+    ("GEMMs", ("cuBLAS", "dot_general", "gemm_fusion")),
+)
+OTHER = "other: norms, activations, optimizer, copies"
+
+
+def category(op: str) -> str:
+    """The :data:`CATEGORIES` entry an op of a sources table belongs to (``OTHER`` if none). A
+    protected product's own GEMM may be an XLA fusion under ``pimlayers.protected_matmul`` (its
+    ``dot_general``): that is a GEMM, not a check, so the GEMMs' patterns are tried for a
+    ``dot_general`` before the checks' XLA ops."""
+    for name, patterns in CATEGORIES:
+        if name.startswith("checks: XLA") and op.endswith("/dot_general"):
+            continue
+        if any(p in op for p in patterns):
+            return name
+    return OTHER
+
+
+def categories(rows: list[dict]) -> dict[str, dict]:
+    """A sources table's ops added up by :func:`category`: ``{category: {ms_per_step, count_per_step}}``
+    (the totals' row left out)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["op"].startswith("(all device kernels"):
+            continue
+        c = out.setdefault(category(r["op"]), {"ms_per_step": 0.0, "count_per_step": 0.0})
+        c["ms_per_step"] += r.get("ms_per_step", 0.0)
+        n = r.get("count_per_step", 0.0)
+        c["count_per_step"] += 0.0 if n is None or n != n else n
+    return out
+
+
+def compare_categories(protect: list[dict], off: list[dict]) -> list[dict]:
+    """Two sources tables (protection on and off) by category: ms per step in each and what
+    protection adds, the largest addition first, then a row for the ops the tables leave out (each
+    table's total less its rows: older files kept only the top ops)."""
+    on, base = categories(protect), categories(off)
+    rows = []
+    for c in on.keys() | base.keys():
+        a = on.get(c, {}).get("ms_per_step", 0.0)
+        b = base.get(c, {}).get("ms_per_step", 0.0)
+        rows.append(dict(category=c, protect_ms=a, off_ms=b, added_ms=a - b))
+    rows.sort(key=lambda r: -r["added_ms"])
+
+    def unlisted(table, by):
+        total = next((r["ms_per_step"] for r in table if r["op"].startswith("(all device kernels")), None)
+        return 0.0 if total is None else total - sum(v["ms_per_step"] for v in by.values())
+
+    a, b = unlisted(protect, on), unlisted(off, base)
+    if abs(a) > 1e-9 or abs(b) > 1e-9:
+        rows.append(dict(category="(ops not in the tables)", protect_ms=a, off_ms=b, added_ms=a - b))
+    return rows
 
 
 def summarize(
@@ -458,8 +562,8 @@ def summarize(
         counts = _minus(counts, counts0)
     total = sum(names.values()) / steps
 
-    def table(c: collections.Counter) -> list[dict]:
-        rows = [(k, v / steps) for k, v in c.most_common() if v > 0][:top]
+    def table(c: collections.Counter, limit: int | None = top) -> list[dict]:
+        rows = [(k, v / steps) for k, v in c.most_common() if v > 0][:limit]
         return [dict(name=k, ms=v / 1e3, share=v / total if total > 0 else 0.0) for k, v in rows]
 
     # Events per step: kernel launches (and copies) on a device timeline. Each costs a launch gap
@@ -475,7 +579,7 @@ def summarize(
             op = _group(sources[name]) if name in sources else _family(name)
             by_op[op] += us
             launches[op] += counts[name]
-        out["sources"] = table(by_op)
+        out["sources"] = table(by_op, None)  # every op: the categories add them all up
         for r in out["sources"]:  # kernels launched per step for the op (each a launch gap)
             r["count"] = launches[r["name"]] / steps
     if timeline == "device":
@@ -656,6 +760,16 @@ def main() -> None:
             where = measured_on(tables, args.compare)
             path = write_result("profile-compare", rows, command, tag=args.save, note=note, measured_on=where)
             print(f"wrote {path}")
+        cats = compare_categories(tables[0]["rows"], tables[1]["rows"])
+        if args.save is not None:
+            path = write_result(
+                "profile-categories", cats, command, tag=args.save, note=note, measured_on=where
+            )
+            print(f"wrote {path}")
+        print(f"{'added ms':>9} {'on ms':>8} {'off ms':>8}  category (per step)")
+        for r in cats:
+            print(f"{r['added_ms']:9.2f} {r['protect_ms']:8.2f} {r['off_ms']:8.2f}  {r['category']}")
+        print()
         print(f"{'added ms':>9} {'on ms':>8} {'off ms':>8} {'on n':>7} {'off n':>7}  op (per step)")
         # The largest additions, then (past --top) the ops protection removes, the largest first:
         # the unprotected step's own kernels (cuDNN's attention) it replaces.
@@ -715,10 +829,17 @@ def main() -> None:
             continue
         what = ", every kernel by the op it came from" if title == "sources" else ""
         print(f"\n{title} (ms per step{what}):")
-        for r in s[title]:
+        for r in s[title][: args.top]:
             src = f"  <- {r['source'][-70:]}" if r.get("source") else ""
             n = f"  {r['count']:6.0f} kernels" if "count" in r else ""
             print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%{n}  {r['name'][:100]}{src}")
+    if "sources" in s:
+        print("\nby category (ms per step):")
+        by = categories(
+            [{"op": r["name"], "ms_per_step": r["ms"], "count_per_step": r["count"]} for r in s["sources"]]
+        )
+        for name, v in sorted(by.items(), key=lambda kv: -kv[1]["ms_per_step"]):
+            print(f"  {v['ms_per_step']:10.2f} ms  {v['count_per_step']:6.0f} kernels  {name}")
     if "idle_ms" in s and not s["idle_measured"]:
         print(
             f"\ndevice idle: not measured (the two runs' one-off gaps differ by more than the steps' idle: "

@@ -425,6 +425,84 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
     s.pop("sources")
     assert list(profile.result_tables(s, protect=False)) == ["profile-off"]
 
+    # The kernels' table keeps the top entries; the sources table keeps every op, so its categories
+    # add up to the whole step: here the check GEMM (the CPU's native checks) and the finish.
+    s = profile.summarize(tmp_path, top=1, sources=sources)
+    assert len(s["kernels"]) == 1 and len(s["sources"]) > 1
+    assert sum(r["ms"] for r in s["sources"]) == pytest.approx(s["total_ms"])
+    cats = profile.categories(
+        [{"op": r["name"], "ms_per_step": r["ms"], "count_per_step": r["count"]} for r in s["sources"]]
+    )
+    assert (
+        cats["check GEMMs"]["ms_per_step"] > 0
+        and cats["checks: verify, correct, gate, redo"]["ms_per_step"] > 0
+    )
+    assert sum(c["ms_per_step"] for c in cats.values()) == pytest.approx(s["total_ms"])
+
+
+def test_profile_categories_name_where_protection_costs():
+    """Every op of a step falls in one category: the library's CUDA kernels by what they do (verify,
+    encode, memory), a protected product's own XLA GEMM among the GEMMs and not among the checks'
+    ops; side by side, the categories' differences add up to the totals' and a table that kept only
+    its top ops gets a row for the rest."""
+    from benchmarks import profile
+
+    assert profile._family(
+        "void pimlayers::(anonymous namespace)::AbftTileKernel<pimlayers::Bf16, 4, false>(x)"
+    ) == ("(pimlayers AbftTileKernel)")
+    assert (
+        profile._family("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(x)") == "(cuDNN kernels)"
+    )
+    assert profile._family("nvjet_sm90_tst_128x160") == "(cuBLAS kernels)"
+    assert profile._family("loop_add_fusion") == "(loop_add_fusion)"
+    want = {
+        "(Mosaic GPU kernels: the verified flash attention)": "attention",
+        "(pimlayers_flash_bwd_bounds_queries)": "attention",
+        "pimlayers.flax.nnx.Attention.core/reduce_or": "attention",
+        "(cuDNN kernels)": "attention",
+        "pimlayers.abft_checks/dot_general": "check GEMMs",
+        "(pimlayers AbftTileKernel)": "checks: verify, correct, gate, redo",
+        "(pimlayers_redo_detected__4)": "checks: verify, correct, gate, redo",
+        "(pimlayers AbftEncodePairKernel)": "checks: weight encodes",
+        "(pimlayers ManyKernelFast)": "parameter memory: scrub, guard, repair",
+        "pimlayers.abft_checks/convert_element_type": "checks: XLA ops (split terms, counts, flags)",
+        "pimlayers.protected_matmuls/reduce": "checks: XLA ops (split terms, counts, flags)",
+        "pimlayers.protected_matmul/dot_general": "GEMMs",
+        "(cuBLAS kernels)": "GEMMs",
+        "pimlayers.flax.nnx.RMSNorm/mul": profile.OTHER,
+        "add": profile.OTHER,
+    }
+    assert {op: profile.category(op) for op in want} == want
+
+    total = "(all device kernels)"
+    on = [
+        {"op": total, "ms_per_step": 20.0},
+        {"op": "(cuBLAS kernels)", "ms_per_step": 10.0, "count_per_step": 4.0},
+        {
+            "op": "(Mosaic GPU kernels: the verified flash attention)",
+            "ms_per_step": 5.0,
+            "count_per_step": 2.0,
+        },
+        {"op": "pimlayers.abft_checks/dot_general", "ms_per_step": 2.0, "count_per_step": 3.0},
+        {"op": "pimlayers.protected_matmul/dot_general", "ms_per_step": 1.0, "count_per_step": 1.0},
+    ]  # 2 ms of ops not listed
+    off = [
+        {"op": total, "ms_per_step": 14.0},
+        {"op": "(cuBLAS kernels)", "ms_per_step": 10.5, "count_per_step": 4.0},
+        {"op": "(cuDNN kernels)", "ms_per_step": 3.5, "count_per_step": 2.0},
+    ]
+    assert profile.categories(on)["GEMMs"] == {"ms_per_step": 11.0, "count_per_step": 5.0}
+    rows = profile.compare_categories(on, off)
+    assert [r["category"] for r in rows] == ["check GEMMs", "attention", "GEMMs", "(ops not in the tables)"]
+    by = {r["category"]: r for r in rows}
+    assert by["attention"] == dict(category="attention", protect_ms=5.0, off_ms=3.5, added_ms=1.5)
+    assert by["GEMMs"]["added_ms"] == pytest.approx(0.5)
+    assert by["(ops not in the tables)"]["added_ms"] == pytest.approx(2.0)
+    assert sum(r["added_ms"] for r in rows) == pytest.approx(6.0)
+    same = profile.compare_categories(off, off)  # complete tables: no row for unlisted ops
+    assert [r["category"] for r in same] in (["attention", "GEMMs"], ["GEMMs", "attention"])
+    assert all(r["added_ms"] == 0 for r in same)
+
 
 def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
     from benchmarks import _harness
@@ -1196,10 +1274,18 @@ def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(mo
         paths.append(str(tmp_path / f"{name}.json"))
     monkeypatch.setattr("sys.argv", ["profile", "--compare", paths[0], paths[1], "--save", "t"])
     profile.main()
-    (saved,) = (tmp_path / "results").iterdir()
-    assert saved.name.endswith("-profile-compare-t-gpu-NVIDIA_H200.json")
-    payload = json.loads(saved.read_text())
-    assert (payload["device"], payload["jax"], payload["python"]) == ("gpu:NVIDIA H200", "0.11.2", "3.12.3")
+    saved = sorted((tmp_path / "results").iterdir())  # the ops side by side, and their categories
+    assert [f.name.split("-", 3)[-1] for f in saved] == [
+        "profile-categories-t-gpu-NVIDIA_H200.json",
+        "profile-compare-t-gpu-NVIDIA_H200.json",
+    ]
+    for f in saved:
+        payload = json.loads(f.read_text())
+        assert (payload["device"], payload["jax"], payload["python"]) == (
+            "gpu:NVIDIA H200",
+            "0.11.2",
+            "3.12.3",
+        )
     monkeypatch.setattr("sys.argv", ["profile", "--compare", paths[0], paths[2], "--save", "t"])
     with pytest.raises(ValueError, match="device differ"):
         profile.main()
