@@ -424,11 +424,18 @@ def _group(path: str) -> str:
     return "/".join(parts[ops[-1] :]) if ops else "/".join(parts[-2:])
 
 
-def _family(kernel: str) -> str:
+MOSAIC = "(Mosaic GPU kernels: the verified flash attention)"
+# With FaultPolicy(fused=True) the fused GEMM is a Mosaic GPU kernel too, and the trace names every
+# Mosaic kernel alike (inside XLA's command buffers no HLO op either): one row for both.
+MOSAIC_FUSED = "(Mosaic GPU kernels: the verified flash attention and the fused GEMM)"
+
+
+def _family(kernel: str, fused: bool = False) -> str:
     """A library kernel's row in the sources table (no HLO instruction carries its name): cuBLAS's
     and cuDNN's kernels each one row, this library's CUDA kernels one row per kernel function
     (``void pimlayers::(anonymous namespace)::AbftTileKernel<...>(...)`` -> ``(pimlayers
-    AbftTileKernel)``: verify, encode and memory kernels are different costs)."""
+    AbftTileKernel)``: verify, encode and memory kernels are different costs); the Mosaic GPU
+    kernels one row, ``fused``: of a step run with the fused GEMM."""
     name = kernel.removeprefix("void ")
     for prefix, family in (
         ("nvjet", "cuBLAS"),
@@ -439,7 +446,7 @@ def _family(kernel: str) -> str:
         if name.startswith(prefix):
             return f"({family} kernels)"
     if "mosaic" in name:
-        return "(Mosaic GPU kernels: the verified flash attention)"
+        return MOSAIC_FUSED if fused else MOSAIC
     native = re.match(r"pimlayers::(?:\(anonymous namespace\)::)?(\w+)", name)
     if native:
         return f"(pimlayers {native.group(1)})"
@@ -450,6 +457,7 @@ def _family(kernel: str) -> str:
 # ``_family`` name) falls in the first category one of whose patterns it contains. Protection's
 # cost per category is the protected step's time less the unprotected one's (``compare_categories``).
 CATEGORIES = (
+    ("Mosaic GPU kernels: attention and the fused GEMM", (MOSAIC_FUSED,)),
     (
         "attention",
         ("Mosaic GPU", "cuDNN", "cudnn", "pimlayers_flash", "Attention.core", "dot_product_attention"),
@@ -547,6 +555,7 @@ def summarize(
     base_dir: pathlib.Path | None = None,
     steps: int = 1,
     sources: dict[str, str] | None = None,
+    fused: bool = False,
 ) -> dict:
     """Sum the trace's device kernels (or, with no device timeline, the host's XLA ops), less those
     of ``base_dir`` (a trace of the same run with ``steps`` fewer steps) when given, divided by
@@ -554,7 +563,8 @@ def summarize(
     time is the same in both runs, to noise), not out of the total. On a device timeline also its idle
     time (``idle_ms``) and the ``gaps`` that make it, largest first (ms and count per step). With
     ``sources`` (``hlo_sources``), each kernel row names the op it came from and a ``sources`` table
-    adds up every kernel, not only the top ones, by op (``_group``)."""
+    adds up every kernel by op (``_group``; a kernel no op names by its family, ``_family``, of a
+    step run with the fused GEMM where ``fused``), all of them, where ``kernels`` keeps the top."""
     timeline, names, scopes, n, counts = _sums(trace_dir)
     if base_dir is not None:
         _, names0, scopes0, n0, counts0 = _sums(base_dir)
@@ -576,7 +586,7 @@ def summarize(
         by_op: collections.Counter = collections.Counter()
         launches: collections.Counter = collections.Counter()
         for name, us in names.items():
-            op = _group(sources[name]) if name in sources else _family(name)
+            op = _group(sources[name]) if name in sources else _family(name, fused)
             by_op[op] += us
             launches[op] += counts[name]
         out["sources"] = table(by_op, None)  # every op: the categories add them all up
@@ -813,7 +823,9 @@ def main() -> None:
         if not texts:
             raise RuntimeError(f"benchmarks.profile --hlo-dump: XLA wrote no optimised HLO under {dump}")
         sources = hlo_sources(texts)
-    s = summarize(out / "trace", args.top, base_dir=out / "base", steps=args.steps, sources=sources)
+    s = summarize(
+        out / "trace", args.top, base_dir=out / "base", steps=args.steps, sources=sources, fused=args.fused
+    )
     command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
     s.update(command=command)
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")

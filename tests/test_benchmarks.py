@@ -455,6 +455,10 @@ def test_profile_categories_name_where_protection_costs():
     )
     assert profile._family("nvjet_sm90_tst_128x160") == "(cuBLAS kernels)"
     assert profile._family("loop_add_fusion") == "(loop_add_fusion)"
+    # Every Mosaic kernel is named alike: with the fused GEMM on, its row and category say so.
+    assert profile._family("entry_mosaic_gpu_kernel") == profile.MOSAIC
+    fused = profile._family("entry_mosaic_gpu_kernel", fused=True)
+    assert fused == profile.MOSAIC_FUSED and profile.category(fused).startswith("Mosaic GPU kernels")
     want = {
         "(Mosaic GPU kernels: the verified flash attention)": "attention",
         "(pimlayers_flash_bwd_bounds_queries)": "attention",
