@@ -79,7 +79,9 @@ class FaultPolicy:
     # extra small tensor-core product per K step cost 22-31%, 2026-12-06). Projections of one input
     # (protected_matmuls: q/k/v, gate/up) share one check GEMM on the fused path too since
     # 2026-12-06; the step measurements above predate that (each fused product read x for its own
-    # checks), not yet measured since.
+    # checks). Measured since on an H100 (2026-12-06): the 4-layer step 116.8 ms fused against
+    # 115.5 unfused; the fused kernel ran slower than cuBLAS on that card (1.437 against 1.355 ms
+    # at 4096 -> 14336), where on an H200 it was faster (1.344 against 1.416).
     fused: bool = False
     # Recompute what a check detected but could not locate with one device kernel (bf16 / f16
     # operands; pimlayers/ops/_redo_kernel.py): launched over every tile of the product, it computes
@@ -124,7 +126,9 @@ class FaultPolicy:
     # check GEMMs carry 4 bf16 columns per 128-column block instead of 7 on a GPU (c1's 3 terms and
     # mag's 1, where c2 took 3 more), ~43% of the checks' GEMM work, which reads x for every
     # protected product; the finish still reads y once. On the CPU the native checks form c2 anyway
-    # (one pass over x). Not yet measured on a GPU.
+    # (one pass over x). On an H200 (2026-12-06, with locate=False) the 4-layer Llama-3-8B-dims
+    # step took 109.6 ms against the default's 110.8, the protected GEMMs 1-2% less
+    # (docs/gpu-tests.md, forty-seventh session): kept opt-in.
     weighted_checks: bool = True
 
     def __post_init__(self) -> None:
