@@ -158,6 +158,11 @@ the operation a kernel's HLO instruction came from, read from an XLA dump of the
 (`python -m benchmarks.profile --compare ON OFF --save TAG`, no run of its own) sets a protected and
 an unprotected `profile-sources` table of one device side by side: `added_ms` is what protection
 adds per op (negative: the unprotected step's own ops it replaces, cuDNN's attention among them).
+From 2026-12-06 `--compare` also writes `profile-categories`: the same two tables added up by
+category (`benchmarks.profile.CATEGORIES`: attention, GEMMs, check GEMMs, the checks' verify,
+encodes and XLA ops, the parameter memory's kernels, the rest), with a row for what the tables
+left out (older op tables kept only their top ops), and the library's CUDA kernels each get their
+own row in the op tables (before, one row "(void pimlayers::)").
 From 2026-12-04 (`...-idle` files) a row "(device idle inside the step program)" gives the device's
 idle time within one execution of the step's program (the median over the traced executions but the
 first; each kernel assigned to the execution whose host launch it came from), with the number of
