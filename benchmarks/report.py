@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from . import goals
+from . import goals, step_figure
 from ._harness import RESULTS, ROOT
 
 HEADER = """# Benchmarks
@@ -272,6 +272,15 @@ def render() -> None:
             print("benchmarks.report: matplotlib is not installed; docs/goals.png was not redrawn")
         if png.exists():
             parts.append(FIGURE)
+    step = step_figure.newest(results)
+    if step is not None:
+        step_png = ROOT / "docs" / "step_categories.png"
+        try:
+            step_figure.figure(step, step_png)
+        except ImportError:
+            print("benchmarks.report: matplotlib is not installed; docs/step_categories.png was not redrawn")
+        if step_png.exists():
+            parts.append(step_figure.caption(step, "step_categories.png"))
     for path, data in loaded:
         cols: list[str] = []
         for r in data["rows"]:

@@ -299,6 +299,68 @@ def test_goals_history_has_each_files_best_and_worst_case_oldest_first_and_draws
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+def test_step_figure_draws_the_newest_gpu_category_table(tmp_path):
+    """docs/benchmarks.md's drawing of where the protected step's time goes: from the newest GPU
+    profile-categories file (a CPU one sums host events: never drawn), its caption naming the file,
+    device, date and command."""
+    from benchmarks import step_figure
+
+    rows = [
+        dict(category="attention", protect_ms=22.5, off_ms=16.6, added_ms=5.9),
+        dict(category="check GEMMs", protect_ms=3.0, off_ms=0.0, added_ms=3.0),
+        dict(
+            category="other: norms, activations, optimizer, copies",
+            protect_ms=19.5,
+            off_ms=21.2,
+            added_ms=-1.7,
+        ),
+        dict(category="(ops not in the tables)", protect_ms=2.1, off_ms=0.1, added_ms=2.0),
+    ]
+    base = dict(
+        suite="profile-categories", jax="0.11.2", command="python -m benchmarks.profile --compare a b"
+    )
+    files = [
+        dict(
+            base,
+            file="2026-12-05-old-gpu.json",
+            date="2026-12-05T01:00:00",
+            device="gpu:NVIDIA H200",
+            rows=rows,
+        ),
+        dict(
+            base,
+            file="2026-12-06-new-gpu.json",
+            date="2026-12-06T01:00:00",
+            device="gpu:NVIDIA H100",
+            rows=rows,
+        ),
+        dict(base, file="2026-12-07-cpu.json", date="2026-12-07T01:00:00", device="cpu:cpu", rows=rows),
+        dict(
+            base,
+            suite="profile-compare",
+            file="2026-12-08-x.json",
+            date="2026-12-08T01:00:00",
+            device="gpu:H200",
+        ),
+    ]
+    data = step_figure.newest(files)
+    assert data["file"] == "2026-12-06-new-gpu.json"
+    assert step_figure.newest(files[2:]) is None
+    # The largest addition first, the unlisted ops' row last.
+    assert [r["category"] for r in step_figure._rows(data)] == [
+        "attention",
+        "check GEMMs",
+        "other: norms, activations, optimizer, copies",
+        "(ops not in the tables)",
+    ]
+    path = tmp_path / "step.png"
+    step_figure.figure(data, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    text = step_figure.caption(data, "step.png")
+    assert "benchmarks/results/2026-12-06-new-gpu.json" in text and "gpu:NVIDIA H100" in text
+    assert "2026-12-06" in text and base["command"] in text and "(step.png)" in text
+
+
 def test_routing_suite_quick_checks_every_kernel_and_reports_the_overhead():
     from benchmarks import routing
 
