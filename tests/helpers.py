@@ -1,10 +1,12 @@
 """Test helpers: shapes that are not multiples of any tile, trace counters, random inputs, the
-all-gathers of a compiled program."""
+all-gathers of a compiled program, a model's loss-and-gradient jaxpr."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from benchmarks.hlo import collectives
 from pimlayers.memory import BankGeometry
@@ -93,3 +95,18 @@ def flash_faults(rows, b: int, h: int, t: int):
         else:
             ob[bi, hi, ti], oc[bi, hi, ti] = bit, col
     return ops.FlashFaults(*(jnp.asarray(a) for a in (sb, sk, ob, oc)))
+
+
+def grad_jaxpr(model, toks):
+    """The jaxpr of ``model``'s loss and gradient, built as the training step builds it (merged
+    inside the trace, nnx's own grad)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(m):
+        logits = m(toks[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
+
+    def step(p, r):
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
+
+    return jax.make_jaxpr(step)(params, rest)

@@ -577,24 +577,30 @@ def test_plain_checks_on_the_fused_path(fused, monkeypatch, kernel, in_kernel):
     _assert_redone(y, clean)
 
 
-def _llama_block_steps(policies) -> list[tuple]:
-    """(loss, gradients, report) of one bf16 training step of a 1-layer llama3_small per policy, on
-    the same weights and tokens."""
+def _llama_block(policy, remat=False):
+    """A bf16 1-layer llama3_small under ``policy`` and the tokens of its step (the same weights
+    and tokens each call)."""
     from flax import nnx
 
     from models.llama3 import Llama3, get_config
 
     cfg = get_config("llama3_small", n_layers=1)
     toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
+    return Llama3(cfg, policy=policy, dtype=jnp.bfloat16, remat=remat, rngs=nnx.Rngs(0)), toks
 
-    def loss_of(model):
+
+def _llama_block_steps(policies) -> list[tuple]:
+    """(loss, gradients, report) of one bf16 training step of :func:`_llama_block` per policy."""
+    from flax import nnx
+
+    def loss_of(model, toks):
         logits = model(toks[:, :-1]).astype(jnp.float32)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
 
     results = []
     for p in policies:
-        model = Llama3(cfg, policy=p, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model)
+        model, toks = _llama_block(p)
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_of))(model, toks)
         results.append((loss, jax.tree.leaves(nnx.state(grads, nnx.Param)), pnnx_report(model)))
     return results
 
@@ -655,10 +661,7 @@ def test_remat_keeping_the_gemms_reruns_no_fused_kernel_in_the_backward(fused, m
     unfused path does: the rematerialised backward pass reruns none of the fused GEMMs, where full
     rematerialisation reruns the ones whose outputs the backward needs. (The fused step measured
     slower than the unfused one on an H100 and an H200; this rules out a rerun of its kernel.)"""
-    from flax import nnx
-    from helpers import jaxpr_eqns
-
-    from models.llama3 import Llama3, get_config
+    from helpers import grad_jaxpr, jaxpr_eqns
 
     kernel = _protected_matmul._fused_kernel()
 
@@ -667,18 +670,9 @@ def test_remat_keeping_the_gemms_reruns_no_fused_kernel_in_the_backward(fused, m
             return kernel(*args, **kw)
 
     monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: spy)
-    cfg = get_config("llama3_small", n_layers=1)
-    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 129)), jnp.int32)
 
     def fused_runs(remat) -> tuple[int, int]:  # (forward, rematerialised backward) fused GEMMs
-        model = Llama3(cfg, policy=FUSED, dtype=jnp.bfloat16, remat=remat, rngs=nnx.Rngs(0))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def loss(m):
-            logits = m(toks[:, :-1]).astype(jnp.float32)
-            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
-
-        jaxpr = jax.make_jaxpr(lambda p, r: nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r)))(params, rest)
+        jaxpr = grad_jaxpr(*_llama_block(FUSED, remat))
         # The reference stands in for the kernel here: one dot per call, named by the spy's scope.
         runs = [0, 0]
         for e, bwd in jaxpr_eqns(jaxpr.jaxpr, skip=("pallas_call",)):

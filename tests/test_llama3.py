@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import grad_jaxpr
 
 from models import hf
 from models.llama3 import CONFIGS, Llama3, LlamaConfig, generate, get_config
@@ -197,21 +198,6 @@ def test_remat_and_bf16_train_step():
     assert lb.dtype == jnp.float32 and abs(float(lb) - float(l1)) < 0.1
 
 
-def _grad_jaxpr(model, toks):
-    """The jaxpr of ``model``'s loss and gradient, built as the training step builds it (merged
-    inside the trace, nnx's own grad)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(m):
-        logits = m(toks[:, :-1])
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], axis=-1))
-
-    def step(p, r):
-        return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
-
-    return jax.make_jaxpr(step)(params, rest)
-
-
 def test_without_recompute_the_training_gradient_has_no_loop_or_branch():
     # FaultPolicy(recompute=False) corrects what the checks locate and leaves the rest to the
     # optimizer's skip: no GEMM or attention call keeps a loop whose predicate a GPU's host must read.
@@ -222,7 +208,7 @@ def test_without_recompute_the_training_gradient_has_no_loop_or_branch():
     cfg = get_config("llama3_tiny", n_layers=1)
     toks = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
     flow = lambda policy: host_control_flow(
-        _grad_jaxpr(Llama3(cfg, policy=policy, remat=True, rngs=nnx.Rngs(0)), toks)
+        grad_jaxpr(Llama3(cfg, policy=policy, remat=True, rngs=nnx.Rngs(0)), toks)
     )
     assert flow(FaultPolicy())["while"] > 0  # the default recomputes in loops of 0 or 1 trips
     assert flow(FaultPolicy(recompute=False)) == {"cond": 0, "while": 0}
@@ -238,7 +224,7 @@ def test_remat_saving_gemm_outputs_recomputes_no_gemm():
 
     def saved(policy) -> int:  # dot products the backward no longer reruns with remat="gemms"
         def dots(remat):
-            jaxpr = _grad_jaxpr(Llama3(cfg, policy=policy, remat=remat, rngs=nnx.Rngs(0)), toks).jaxpr
+            jaxpr = grad_jaxpr(Llama3(cfg, policy=policy, remat=remat, rngs=nnx.Rngs(0)), toks).jaxpr
             return sum(bwd and e.primitive.name == "dot_general" for e, bwd in jaxpr_eqns(jaxpr))
 
         return dots(True) - dots("gemms")
@@ -283,7 +269,7 @@ def test_remat_saving_gemms_and_flash_residuals_recomputes_nothing_the_flash_ste
         return Llama3(cfg, remat=remat, rngs=nnx.Rngs(0), **kw)
 
     def ops(remat) -> dict[str, int]:
-        eqns = [e.primitive.name for e, _ in jaxpr_eqns(_grad_jaxpr(model(remat), toks).jaxpr)]
+        eqns = [e.primitive.name for e, _ in jaxpr_eqns(grad_jaxpr(model(remat), toks).jaxpr)]
         return {name: eqns.count(name) for name in ("dot_general", "exp")}
 
     assert ops("gemms") == ops(False)  # without the names: 5 more dots and 1 more exp per block
