@@ -11,6 +11,8 @@ python -m benchmarks.profile --layers 4 --protect --no-recompute --remat-policy 
     --save 4layers --note "..."    # also results files: the kernels and (with --hlo-dump) the ops
 python -m benchmarks.profile --compare benchmarks/results/<on>.json benchmarks/results/<off>.json \
     --save TAG                     # two saved op tables side by side: what protection adds, per op
+python -m benchmarks.profile --compare <profile-protect fused>.json <profile-protect default>.json
+                                   # two kernel tables (two configurations on one card), per kernel
 
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
@@ -27,7 +29,9 @@ the trace's own scopes name only the buffer), with a table of all kernels groupe
 kernels launched per step). ``--compare`` runs nothing: it sets two such tables (``profile-sources``
 files of the protected and the unprotected step) side by side per op (``profile-compare``) and per
 category (``profile-categories``: attention, GEMMs, check GEMMs, the checks' verify, encodes and
-XLA ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection adds in each.
+XLA ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection adds in each;
+given two kernel tables instead (``profile-protect`` / ``profile-off`` files, which runs without
+``--hlo-dump`` save too), it sets them side by side per kernel (``profile-compare-kernels``).
 ``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
 (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
@@ -701,16 +705,41 @@ def compare(protect: list[dict], off: list[dict]) -> list[dict]:
     return rows
 
 
+def compare_kernels(first: list[dict], second: list[dict]) -> list[dict]:
+    """Two kernel tables (``profile-protect`` / ``profile-off`` files: two configurations' steps on
+    one card, e.g. the fused path's against the default's) side by side per kernel name: ms per step
+    in each and the difference (first - second), the totals' row first, then the largest changes
+    either way. A kernel only one step runs has 0 for the other."""
+    a = {r["kernel"]: r["ms_per_step"] for r in first}
+    b = {r["kernel"]: r["ms_per_step"] for r in second}
+    rows = [
+        dict(kernel=k, first_ms=a.get(k, 0.0), second_ms=b.get(k, 0.0), diff_ms=a.get(k, 0.0) - b.get(k, 0.0))
+        for k in a.keys() | b.keys()
+    ]
+    total = "(all device kernels)"
+    rows.sort(key=lambda r: (r["kernel"] != total, -abs(r["diff_ms"])))
+    return rows
+
+
+KERNEL_TABLES = ("profile-protect", "profile-off")
+
+
 def measured_on(tables: list[dict], paths: list[str]) -> dict[str, str]:
-    """Where two saved ``profile-sources`` tables were measured: their common device and jax version
-    (and the first one's Python). Tables of another suite, or of two devices or jax versions, are not
-    one comparison."""
-    for t, p in zip(tables, paths, strict=True):
-        if t.get("suite") != "profile-sources":
-            suite = t.get("suite")
+    """Where two saved tables were measured: their common device and jax version (and the first
+    one's Python). Two ``profile-sources`` tables, or two kernel tables (``KERNEL_TABLES``); tables of
+    another suite, a mix of the two kinds, or of two devices or jax versions are not one comparison."""
+    kinds = [t.get("suite") for t in tables]
+    for kind, p in zip(kinds, paths, strict=True):
+        if kind != "profile-sources" and kind not in KERNEL_TABLES:
             raise ValueError(
-                f"benchmarks.profile --compare: {p} holds suite {suite!r}; expected 'profile-sources'"
+                f"benchmarks.profile --compare: {p} holds suite {kind!r}; expected 'profile-sources', "
+                "'profile-protect' or 'profile-off'"
             )
+    if (kinds[0] == "profile-sources") != (kinds[1] == "profile-sources"):
+        raise ValueError(
+            f"benchmarks.profile --compare: {kinds[0]!r} against {kinds[1]!r}; expected two op tables "
+            "(profile-sources) or two kernel tables (profile-protect, profile-off)"
+        )
     for key in ("device", "jax"):
         a, b = (t.get(key) for t in tables)
         if a != b:
@@ -761,16 +790,28 @@ def main() -> None:
         "--compare",
         nargs=2,
         metavar=("PROTECT", "OFF"),
-        help="no run: two saved profile-sources files side by side per op (with --save: a results file)",
+        help="no run: two saved profile-sources files side by side per op, or two kernel tables "
+        "(profile-protect / profile-off files) per kernel (with --save: a results file)",
     )
     args = ap.parse_args()
     if args.compare:
         tables = [json.loads(pathlib.Path(f).read_text()) for f in args.compare]
-        rows = compare(tables[0]["rows"], tables[1]["rows"])
         note = args.note or f"{args.compare[0]} against {args.compare[1]}"
         command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
+        where = measured_on(tables, args.compare)
+        if tables[0].get("suite") in KERNEL_TABLES:
+            rows = compare_kernels(tables[0]["rows"], tables[1]["rows"])
+            if args.save is not None:
+                path = write_result(
+                    "profile-compare-kernels", rows, command, tag=args.save, note=note, measured_on=where
+                )
+                print(f"wrote {path}")
+            print(f"{'diff ms':>9} {'first ms':>9} {'second ms':>9}  kernel (per step)")
+            for r in rows[: args.top]:
+                print(f"{r['diff_ms']:9.2f} {r['first_ms']:9.2f} {r['second_ms']:9.2f}  {r['kernel'][:90]}")
+            return
+        rows = compare(tables[0]["rows"], tables[1]["rows"])
         if args.save is not None:
-            where = measured_on(tables, args.compare)
             path = write_result("profile-compare", rows, command, tag=args.save, note=note, measured_on=where)
             print(f"wrote {path}")
         cats = compare_categories(tables[0]["rows"], tables[1]["rows"])

@@ -18,6 +18,7 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --plain-checks
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
+python -m benchmarks.run --suite fused-tiling            # Hopper: the fused GEMM's tilings vs XLA's GEMM
 python -m benchmarks.run --suite encode                  # the weight encodes' rates (pair, rows, transposed)
 python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
 python -m benchmarks.run --suite bounds                  # the verified flash attention's XLA-side bounds
@@ -49,6 +50,7 @@ from . import (
     cpu_kernels,
     dispatch,
     finish,
+    fused_tiling,
     launch,
     llama3,
     matmul,
@@ -67,6 +69,7 @@ def main() -> None:
         "ops",
         "matmul",
         "matmul-parts",
+        "fused-tiling",
         "cpu-kernels",
         "encode",
         "finish",
@@ -171,6 +174,7 @@ def main() -> None:
             lambda: matmul.run(m=args.m, shapes=shapes, dtype=dtype, block_ns=block_ns, variants=variants),
         ),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
+        ("fused-tiling", lambda: fused_tiling.run(m=args.m)),
         ("cpu-kernels", lambda: cpu_kernels.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("encode", lambda: matmul.encodes(dtype=dtype)),
         ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
@@ -202,8 +206,10 @@ def main() -> None:
             ),
         ),
     ):
-        # Not in "all": cpu-kernels (a CPU A/B) and checks (a grid sweep for the kernel's design).
-        if args.suite == name or (args.suite == "all" and name not in ("cpu-kernels", "checks")):
+        # Not in "all": cpu-kernels (a CPU A/B), checks and fused-tiling (grid sweeps for the kernels'
+        # design).
+        grids = ("cpu-kernels", "checks", "fused-tiling")
+        if args.suite == name or (args.suite == "all" and name not in grids):
             rows = run()
             if not rows:
                 print(f"{name}: nothing to run on {len(jax.devices())} device(s)")

@@ -50,7 +50,18 @@ def figure(data: dict, path: pathlib.Path) -> None:
     added = [r["added_ms"] for r in rows]
     right.barh(list(at), added, color=["C3" if a >= 0 else "C2" for a in added])
     for i, a in enumerate(added):
-        right.text(a, i, f" {a:+.2f}", va="center", ha="left" if a >= 0 else "right", fontsize=7)
+        right.text(
+            a,
+            i,
+            f" {a:+.2f} " if a < 0 else f" {a:+.2f}",
+            va="center",
+            ha="left" if a >= 0 else "right",
+            fontsize=7,
+        )
+    # Room for the labels past the longest bars on either side.
+    lo, hi = min([*added, 0.0]), max([*added, 0.0])
+    span = hi - lo or 1.0
+    right.set_xlim(lo - 0.15 * span, hi + 0.12 * span)
     right.axvline(0, color="grey", lw=0.8)
     right.set_xlabel("protected less unprotected (ms per step)", fontsize=8)
     total = sum(added)

@@ -1358,8 +1358,50 @@ def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(mo
     kernels = tmp_path / "k.json"
     kernels.write_text(json.dumps({**gpu, "suite": "profile-protect"}))
     monkeypatch.setattr("sys.argv", ["profile", "--compare", str(kernels), paths[1], "--save", "t"])
-    with pytest.raises(ValueError, match="expected 'profile-sources'"):
+    with pytest.raises(ValueError, match="expected two op tables"):
         profile.main()
+    other = tmp_path / "x.json"
+    other.write_text(json.dumps({**gpu, "suite": "matmul"}))
+    monkeypatch.setattr("sys.argv", ["profile", "--compare", str(other), paths[1]])
+    with pytest.raises(ValueError, match="holds suite 'matmul'"):
+        profile.main()
+
+
+def test_profile_compare_sets_two_kernel_tables_side_by_side(monkeypatch, tmp_path):
+    """Two kernel tables (two configurations' steps on one card): per kernel, the first's ms, the
+    second's and their difference, the totals first, then the largest changes either way."""
+    import json
+
+    from benchmarks import _harness, profile
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path / "results")
+    row = lambda k, ms: {"kernel": k, "ms_per_step": ms, "share": 0.0}
+    total = "(all device kernels)"
+    meta = dict(device="gpu:NVIDIA H100 80GB HBM3", jax="0.11.2", python="3.12.3")
+    fused = dict(
+        suite="profile-protect", rows=[row(total, 10.0), row("mosaic", 6.0), row("check", 1.0)], **meta
+    )
+    default = dict(
+        suite="profile-protect", rows=[row(total, 10.5), row("cublas", 5.0), row("check", 2.5)], **meta
+    )
+    paths = []
+    for name, table in (("fused", fused), ("default", default)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(table))
+        paths.append(str(tmp_path / f"{name}.json"))
+    monkeypatch.setattr("sys.argv", ["profile", "--compare", *paths, "--save", "f"])
+    profile.main()
+    (saved,) = (tmp_path / "results").iterdir()
+    assert saved.name.endswith("profile-compare-kernels-f-gpu-NVIDIA_H100_80GB_HBM3.json")
+    got = [
+        (r["kernel"], r["first_ms"], r["second_ms"], r["diff_ms"])
+        for r in json.loads(saved.read_text())["rows"]
+    ]
+    assert got == [
+        (total, 10.0, 10.5, -0.5),
+        ("mosaic", 6.0, 0.0, 6.0),
+        ("cublas", 0.0, 5.0, -5.0),
+        ("check", 1.0, 2.5, -1.5),
+    ]
 
 
 def test_profile_step_idle_is_measured_inside_each_execution_of_the_step(tmp_path):
@@ -1563,3 +1605,32 @@ def test_matmul_suite_and_parts_time_the_fused_plain_checks_as_on_a_hopper_gpu(m
     for name in ("protected_fused", "protected_fused_c1", "fused_kernel", "fused_checked_kernel"):
         assert row[f"{name}_ms"] == 4.0, name
     assert row["ratio_fused_c1"] == row["plain_ms"] / 4.0
+
+
+def test_fused_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
+    from benchmarks import fused_tiling
+    from pimlayers.ops import _fused_gemm
+
+    assert fused_tiling.run() == []  # not a Hopper GPU: nothing to time
+    grid = fused_tiling.configs()
+    assert grid[0] == _fused_gemm.FusedConfig() and len(set(grid)) == len(grid) == 13
+    # Every tiling takes every Llama-3-8B shape at M = 8192 (wg_m stacks its CTA to 256 rows).
+    for k, n in fused_tiling.SHAPES:
+        assert all(_fused_gemm.fused_gemm_supported(8192, k, n, jnp.bfloat16, c) for c in grid)
+    # A CPU runs no Mosaic kernel: the suite's logic around it, with the reference standing in for
+    # the kernel and a fixed timing. Each tiling is checked, then timed; the default is marked.
+    monkeypatch.setattr(_fused_gemm, "hopper", lambda: True)
+    monkeypatch.setattr(_fused_gemm, "fused_gemm", lambda a, b, cfg: _fused_gemm.fused_gemm_reference(a, b))
+    monkeypatch.setattr(fused_tiling, "time_pair", lambda f, fa, g, ga, **kw: (2e-3, 4e-3, 0.5))
+    rows = fused_tiling.run(m=256, shapes=[(128, 256)])
+    assert len(rows) == len(grid) and sum(r["default"] for r in rows) == 1 and rows[0]["default"]
+    assert {r["ratio"] for r in rows} == {0.5} and rows[0]["xla_ms"] == 2.0 and rows[0]["fused_ms"] == 4.0
+
+    # A kernel whose sums are off by a part in 10^3 is refused before any timing.
+    def wrong(a, b, cfg):
+        y, s = _fused_gemm.fused_gemm_reference(a, b)
+        return y, s * (1 + 1e-3)
+
+    monkeypatch.setattr(_fused_gemm, "fused_gemm", wrong)
+    with pytest.raises(AssertionError, match="block sums differ"):
+        fused_tiling.run(m=256, shapes=[(128, 256)])

@@ -12,7 +12,13 @@ dq kernel (per query row r, over key blocks j of ``block_kv``):
 
 * s = q·kᵀ and dp = do·vᵀ: each block's row sums against q·ksum_j and do·vsum_j, from the GEMMs'
   own wgmma (the key and value tiles extended by an 8-row tile [hi, lo, 0 x 6] of their row sums,
-  N = block_kv + 8, as the forward's scores check);
+  N = block_kv + 8, as the forward's scores check). Each row keeps the largest |difference| over
+  its steps, divided by the row's bound once after the loop, as the forward does (the largest
+  ratio is the largest difference over one bound, bit for bit; NaN survives the maximum, which
+  propagates it). Dividing at every step took the verified backward 3.997 ms against 3.929 on an
+  H100 (B = 1, T = 8192, 32/8 heads; ``python -m benchmarks.rev_ab --case flash``, rev-ab-s49).
+  One row sum over the product and its check columns together (the tile holding minus the sums),
+  in place of two, measured no faster (3.951 ms, rev-ab-s49neg) and was not kept;
 * dq = ds·k: at the end, dq's row sums against Σ_j ds_j·kd_j (kd = each key row summed over D),
   accumulated by a small wgmma (N = 8) beside dq's; a second one, of |ds| against the same tile's
   third row ‖k_c‖₁, measures the magnitude the bound scales with.
@@ -506,9 +512,9 @@ def _dq_call(
                             sc = _flip(sc, bcast(bit, (bq, bk)), hit)
                         else:
                             dp = _flip(dp, bcast(bit, (bq, bk)), hit)
-                if checks:
-                    r_s = jnp.maximum(r_s, _ratio(sc.sum(axis=1) - _tile_sum(s_all[:, bk:]), rv[2]))
-                    r_dp = jnp.maximum(r_dp, _ratio(dp.sum(axis=1) - _tile_sum(dp_all[:, bk:]), rv[3]))
+                if checks:  # |difference|, the largest over the steps; the bounds divide it once
+                    r_s = jnp.maximum(r_s, jnp.abs(sc.sum(axis=1) - _tile_sum(s_all[:, bk:])))
+                    r_dp = jnp.maximum(r_dp, jnp.abs(dp.sum(axis=1) - _tile_sum(dp_all[:, bk:])))
                 p = jnp.exp2(sc * c - bcast(lse2, (bq, bk)))
                 if masked:
                     q_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wl) + base
@@ -546,7 +552,7 @@ def _dq_call(
             if checks:
                 r_dq = _ratio(dq_acc.sum(axis=1) - _hilo(plgpu, cacc), c_sum * _hilo(plgpu, aacc, (2,)))
             qs[...] = (dq_acc * scale).astype(dtype)
-            outs = [r_s, r_dp, r_dq] if checks else []
+            outs = [_ratio(r_s, rv[2]), _ratio(r_dp, rv[3]), r_dq] if checks else []
             for i, r in enumerate(outs):
                 rows_f.at[wg, i][...] = r
             plgpu.commit_smem()

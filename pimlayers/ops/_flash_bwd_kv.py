@@ -196,9 +196,9 @@ def dkv_call(
                             st = _flip(st, rows_b(bit, (bk, bq)), hit)
                         else:
                             dpt = _flip(dpt, rows_b(bit, (bk, bq)), hit)
-                if checks:
-                    r_st = jnp.maximum(r_st, _ratio(st.sum(axis=1) - _tile_sum(st_all[:, bq:]), rv[0]))
-                    r_dpt = jnp.maximum(r_dpt, _ratio(dpt.sum(axis=1) - _tile_sum(dpt_all[:, bq:]), rv[1]))
+                if checks:  # as the dq kernel's: the largest |difference|, divided once after the loop
+                    r_st = jnp.maximum(r_st, jnp.abs(st.sum(axis=1) - _tile_sum(st_all[:, bq:])))
+                    r_dpt = jnp.maximum(r_dpt, jnp.abs(dpt.sum(axis=1) - _tile_sum(dpt_all[:, bq:])))
                 lse = _load(plgpu, lse_smem.at[slot], cl)
                 dl = _load(plgpu, dl_smem.at[slot], cl)
                 p = jnp.exp2(st * c - cols_b(lse, (bk, bq)))
@@ -269,7 +269,7 @@ def dkv_call(
                 r_dv = _ratio(dv_acc.sum(axis=1) - _hilo(plgpu, cc), c_sum * _hilo(plgpu, cc, (2,)))
                 mag_k = _hilo(plgpu, cc, (_QM_ROW,))
                 r_dk = _ratio(dk_acc.sum(axis=1) - _hilo(plgpu, cc, (3, 4)), c_sum * mag_k)
-                outs = [r_st, r_dpt, r_dv, r_dk]
+                outs = [_ratio(r_st, rv[0]), _ratio(r_dpt, rv[1]), r_dv, r_dk]
             if fused:  # the other warpgroup's last dq GEMM reads this one's k rows: wait before staging
                 plgpu.barrier_wait(ds_bars.at[1])
             ks[...] = (dk_acc * scale).astype(dtype)
