@@ -57,7 +57,8 @@ def run(
     predicates the host reads (the default before 2026-12-05; on a CPU the default is that loop).
     ``remat_policy`` is every configuration's (``TrainConfig.remat_policy``): "gemms" (the default,
     like the dot-saving peer the goal names) keeps the linear layers' products for the backward pass;
-    "full" recomputes them (the training script's default: less memory). ``plain_checks`` adds a
+    "full" recomputes them (the training script's default: less memory); "gemms_weights" also keeps
+    the kernels cast to bf16 (``layers.COMPUTE_WEIGHT``). ``plain_checks`` adds a
     protected step with ``FaultPolicy(weighted_checks=False, locate=False)``: every GEMM checked
     against its plain checksums alone (4 check columns per 128-column block on a GPU instead of 7),
     every detected block recomputed; with ``fused`` too, also the fused forward GEMM with the plain

@@ -319,3 +319,51 @@ def test_embedding_gradient_is_a_one_hot_gemm_for_small_vocabularies(vocab):
     jaxpr = jax.make_jaxpr(lambda t: grad(jnp.bfloat16, t)[1])(table).jaxpr
     prims = [e.primitive.name for e, _ in jaxpr_eqns(jaxpr)]
     assert ("scatter-add" in prims) == (vocab > ONE_HOT_MAX_VOCAB)
+
+
+def test_gemms_weights_policy_casts_each_kernel_once():
+    # "gemms" keeps the products but casts each f32 kernel to bf16 again in the backward pass (dx
+    # needs it); "gemms_weights" keeps the cast kernels (layers.COMPUTE_WEIGHT): one cast per kernel
+    # in the whole gradient, the same loss and gradients.
+    from helpers import jaxpr_eqns
+
+    from pimlayers.faults import FaultPolicy
+
+    cfg = get_config("llama3_tiny", n_layers=2)
+    toks = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+
+    def model(remat, policy):
+        return Llama3(cfg, dtype=jnp.bfloat16, policy=policy, remat=remat, rngs=nnx.Rngs(0))
+
+    def kernel_casts(remat, policy) -> int:  # f32 -> bf16 casts of a block's 2-D kernels
+        m = model(remat, policy)
+        shapes = {
+            tuple(p.shape)
+            for path, p in nnx.iter_graph(m)
+            if isinstance(p, nnx.Param) and p[...].ndim == 2 and "layers" in map(str, path)
+        }
+        jaxpr = grad_jaxpr(m, toks).jaxpr
+        return sum(
+            e.primitive.name == "convert_element_type"
+            and e.params["new_dtype"] == jnp.bfloat16
+            and e.invars[0].aval.dtype == jnp.float32
+            and tuple(e.invars[0].aval.shape) in shapes
+            for e, _ in jaxpr_eqns(jaxpr)
+        )
+
+    kernels = 7 * cfg.n_layers  # q, k, v, o, gate, up, down
+    for policy in (FaultPolicy.off(), FaultPolicy()):
+        assert kernel_casts("gemms", policy) == 2 * kernels  # forward, and again in the backward
+        assert kernel_casts("gemms_weights", policy) == kernels
+
+    def loss_of(m):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(m(toks[:, :-1])), toks[:, 1:, None], axis=-1))
+
+    step = nnx.jit(nnx.value_and_grad(loss_of))
+    (l0, g0), (l1, g1) = step(model("gemms", FaultPolicy())), step(model("gemms_weights", FaultPolicy()))
+    assert float(l0) == float(l1)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(g0, nnx.Param)), jax.tree.leaves(nnx.state(g1, nnx.Param)), strict=True
+    ):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.max(np.abs(a - b)) <= 2.0**-5 * np.max(np.abs(a))  # bf16: the remat test's slack

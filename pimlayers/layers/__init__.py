@@ -9,6 +9,7 @@ from .attention import FLASH_RESIDUALS as FLASH_RESIDUALS
 from .attention import KVCache as KVCache
 from .attention import attention_core as attention_core
 from .attention import gqa_attention as gqa_attention
+from .linear import COMPUTE_WEIGHT as COMPUTE_WEIGHT
 from .linear import LINEAR_OUTPUT as LINEAR_OUTPUT
 from .linear import linear as linear
 from .mlp import llama_mlp as llama_mlp
@@ -18,6 +19,7 @@ from .rope import apply_rope as apply_rope
 from .rope import rope_frequencies as rope_frequencies
 
 __all__ = [
+    "COMPUTE_WEIGHT",
     "FLASH_RESIDUALS",
     "LINEAR_OUTPUT",
     "KVCache",

@@ -12,13 +12,26 @@ from ..faults import FaultPolicy, FaultReport
 from ..ops import PimWeights, gate, pim_linear, protected_matmul, protected_matmuls
 from ._common import check_features, policy_or_default, promote, stock
 
-__all__ = ["LINEAR_OUTPUT", "linear", "linears"]
+__all__ = ["COMPUTE_WEIGHT", "LINEAR_OUTPUT", "linear", "linears"]
 
 # The name every linear layer's product carries (before its bias, protected or not): a
 # rematerialisation policy that saves it (``jax.checkpoint_policies.save_only_these_names``) keeps
 # the backward pass from recomputing any GEMM, and with it a protected GEMM's checks; what follows a
 # GEMM (norms, activations, RoPE, attention) is recomputed from the saved products.
 LINEAR_OUTPUT = "pimlayers.linear_output"
+
+# The name a kernel carries once cast to the compute dtype (an f32 parameter promoted to bf16 for the
+# GEMM). A rematerialised block recomputes that cast in its backward pass (dx needs the bf16 kernel)
+# unless its policy saves it: in the 4-layer Llama-3-8B-dimension step the casts ran twice a step,
+# ~1.6 ms of an H100's ~3.2 ms of weight casts (2026-12-06, profile-sources-s49). Saving it costs
+# one bf16 copy of the block's kernels held from its forward pass to its backward pass.
+COMPUTE_WEIGHT = "pimlayers.compute_weight"
+
+
+def _named_if_cast(cast, stored):
+    """``cast`` named ``COMPUTE_WEIGHT`` where promotion changed the kernel's dtype (a parameter kept
+    as it is needs no copy: the block holds it anyway)."""
+    return checkpoint_name(cast, COMPUTE_WEIGHT) if cast.dtype != stored.dtype else cast
 
 
 def linear(
@@ -60,7 +73,9 @@ def linear(
     check_features(name, x, n_in)
     with jax.named_scope(name):
         if layout == "io":  # Flax promotes inputs, kernel and bias to one dtype first.
+            stored = kernel
             x, kernel, bias = promote(x, kernel, bias, dtype=dtype)
+            kernel = _named_if_cast(kernel, stored)
         if backend == "pim":
             if pim is None:
                 raise ValueError(f"{name}: backend='pim' needs the packed kernel (pim=ops.pim_pack(...))")
@@ -135,6 +150,7 @@ def linears(
     with jax.named_scope(" + ".join(names)):
         if layout == "io":  # Flax promotes inputs and kernel to one dtype first, as linear does.
             x, *ws = promote(x, *kernels, dtype=dtype)
+            ws = [_named_if_cast(w, k) for w, k in zip(ws, kernels, strict=True)]
         else:
             ws = [k.T for k in kernels]
         ys, report = protected_matmuls(x, ws, policy=policy, faults=faults, tap=tap, precision=precision)
