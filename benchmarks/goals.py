@@ -123,11 +123,14 @@ def _scrub(res: dict) -> list[dict]:
 
 def _step(res: dict) -> list[dict]:
     want = lambda r: r.get("protect") is True and _num(r.get("on_over_cudnn"))
-    peer = next((r for r in res["rows"] if r.get("attention") == "cuDNN"), None)
+    cudnn = [r for r in res["rows"] if r.get("attention") == "cuDNN"]
+    main = res["rows"][0].get("remat")  # the run's own policy; --also-remat rows name theirs
     out = []
     for r in filter(want, res["rows"]):
+        peer = next((c for c in cudnn if c.get("remat") == r.get("remat")), cudnn[0] if cudnn else None)
         case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
         case += ", plain checks" if r.get("checks") == "c1 only" else ""
+        case += f", remat {r.get('remat')}" if r.get("remat") != main else ""
         theirs = f"cuDNN step {peer['step_ms']:.4g} ms" if peer else ""
         ours = f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}"
         row = _row(

@@ -40,6 +40,7 @@ def run(
     remat_policy: str = "gemms",
     loop: bool = False,
     plain_checks: bool = False,
+    also_remat: tuple[str, ...] = (),
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -62,7 +63,11 @@ def run(
     protected step with ``FaultPolicy(weighted_checks=False, locate=False)``: every GEMM checked
     against its plain checksums alone (4 check columns per 128-column block on a GPU instead of 7),
     every detected block recomputed; with ``fused`` too, also the fused forward GEMM with the plain
-    checks, which its kernel then forms itself from its own read of x (``fused_gemm_checked``)."""
+    checks, which its kernel then forms itself from its own read of x (``fused_gemm_checked``).
+    ``also_remat``: further remat policies under which the cuDNN peer (where it runs) and the default
+    protected step run again in the same process, their rows' ``remat`` saying which; each row's
+    ``on_over_cudnn`` is against the cuDNN step of its own policy (two policies' steps side by side
+    on one card, e.g. "gemms_weights" against "gemms")."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -84,10 +89,14 @@ def run(
     configs += [(True, False, "auto", None, True, None, False)] if plain_checks else []
     # Both: the fused forward GEMM forms the plain checks itself (no check GEMMs in the forward).
     configs += [(True, True, "auto", None, True, None, False)] if plain_checks and fused else []
-    for protect, fz, flash, rb, redo, kernel, weighted in configs:
+    runs = [(remat_policy, c) for c in configs]
+    for extra in also_remat:
+        runs += [(extra, (False, False, "on", None, True, None, True))] if cudnn_peer else []
+        runs += [(extra, (True, False, "auto", None, True, None, True))]
+    for remat, (protect, fz, flash, rb, redo, kernel, weighted) in runs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(
-                layers, steps, n, seq, config, dtype, flip_every, remat_policy, tmp,
+                layers, steps, n, seq, config, dtype, flip_every, remat, tmp,
                 protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
                 recompute_kernel=kernel, weighted_checks=weighted,
             )  # fmt: skip
@@ -104,7 +113,7 @@ def run(
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
                 "shape": f"B={cfg.batch} T={seq} {dtype}",
-                "remat": remat_policy,
+                "remat": remat,
                 "params": s["params"],
                 "steps": steps,
                 "step_ms": 1e3 * cfg.batch * seq / s["tokens_per_s_median"],
@@ -129,9 +138,11 @@ def run(
             }
         )
     off = next(r for r in rows if not r["protect"])
-    cudnn = next((r for r in rows if r["attention"] in ("cuDNN", "jax (XLA)")), None)
+    peer = lambda r: r["attention"] in ("cuDNN", "jax (XLA)")
+    first = next((r for r in rows if peer(r)), None)
     for r in rows:
         r["on_over_off"] = r["tokens_per_s"] / off["tokens_per_s"]
+        cudnn = next((c for c in rows if peer(c) and c["remat"] == r["remat"]), first)
         if cudnn is not None:
             r["on_over_cudnn"] = r["tokens_per_s"] / cudnn["tokens_per_s"]
     return rows
@@ -214,6 +225,7 @@ def quick(
     redo_blocks: int = 0,
     no_recompute: bool = False,
     remat_policy: str = "gemms",
+    also_remat: tuple[str, ...] = (),
 ) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
@@ -228,4 +240,5 @@ def quick(
         redo_blocks=redo_blocks,
         no_recompute=no_recompute,
         remat_policy=remat_policy,
+        also_remat=also_remat,
     )

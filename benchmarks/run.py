@@ -17,6 +17,8 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --plain-checks
                                                      # also with the plain checksums alone
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --also-remat gemms_weights
+                                                     # also keeping the bf16 kernels, side by side
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite fused-tiling            # Hopper: the fused GEMM's tilings vs XLA's GEMM
 python -m benchmarks.run --suite encode                  # the weight encodes' rates (pair, rows, transposed)
@@ -128,7 +130,13 @@ def main() -> None:
         choices=sorted(REMAT_POLICIES),
         default="gemms",
         help="llama3: what each rematerialised block keeps (gemms: the linear layers' products too; "
-        "full: recompute them, the training script's default)",
+        "gemms_weights: also the kernels cast to bf16; full: recompute them, the training script's default)",
+    )
+    ap.add_argument(
+        "--also-remat",
+        default="",
+        metavar="POLICY[,POLICY]",
+        help="llama3: also run the cuDNN peer and the default protected step under these remat policies",
     )
     ap.add_argument("--m", type=int, default=8192, help="matmul: rows of x (tokens)")
     ap.add_argument(
@@ -161,6 +169,10 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     block_ns = {"both": (None, 128), "row": (None,), "128": (128,)}[args.block_n]
     variants = tuple(v for v in args.variants.split(",") if v)
+    also_remat = tuple(v for v in args.also_remat.split(",") if v)
+    for v in also_remat:
+        if v not in REMAT_POLICIES:
+            ap.error(f"--also-remat {v}: expected one of {sorted(REMAT_POLICIES)}")
     if args.suite in ("ops", "all"):
         rows = ops.run(args.size_mb)
         path = write_result("ops", rows, command_line(), **save)
@@ -203,6 +215,7 @@ def main() -> None:
                 remat_policy=args.remat_policy,
                 loop=args.loop,
                 plain_checks=args.plain_checks,
+                also_remat=also_remat,
             ),
         ),
     ):

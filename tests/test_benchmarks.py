@@ -242,6 +242,28 @@ def test_goals_table_reads_the_newest_file_of_each_goal_and_judges_its_target():
     assert goals.table([]) == ""
 
 
+def test_goals_step_rows_of_another_remat_policy_name_it_and_their_own_peer():
+    # --also-remat: the policy's cuDNN step and protected step run beside the run's own policy's;
+    # each protected row is judged against the cuDNN step of its own policy.
+    from benchmarks import goals
+
+    peer = lambda remat, ms, mfu: dict(protect=False, attention="cuDNN", remat=remat, step_ms=ms, mfu=mfu)
+    on = lambda remat, ms, ratio, mfu: dict(
+        protect=True, recompute="device kernel", remat=remat, step_ms=ms, on_over_cudnn=ratio, mfu=mfu
+    )
+    rows = [
+        peer("gemms", 100.0, 0.5) | dict(on_over_cudnn=1.0),
+        on("gemms", 125.0, 0.8, 0.4),
+        peer("gemms_weights", 98.0, 0.51) | dict(on_over_cudnn=1.0),
+        on("gemms_weights", 122.5, 0.8, 0.41),
+    ]
+    got = goals._step(dict(device="gpu:NVIDIA H100", file="s.json", date="2026-12-07T00:00", rows=rows))
+    assert [(g["case"], g["peer"]) for g in got] == [
+        ("recompute: device kernel", "cuDNN step 100 ms"),
+        ("recompute: device kernel, remat gemms_weights", "cuDNN step 98 ms"),
+    ]
+
+
 def test_goals_name_each_gemm_policy_by_the_default_of_its_files_day():
     # From the files with loop columns on, the op alone is the device redo and "fused GEMM" runs
     # under it; in older files the default (and the fused GEMM's) was the recompute loop.
@@ -413,8 +435,26 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
 
     with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
         # Blocks keep their GEMMs' products ("gemms"): the training script's other remat policy.
-        got = llama3.quick(cudnn_peer=True, redo_blocks=4, no_recompute=True, remat_policy="gemms")
+        got = llama3.quick(
+            cudnn_peer=True,
+            redo_blocks=4,
+            no_recompute=True,
+            remat_policy="gemms",
+            also_remat=("gemms_weights",),
+        )
+    # --also-remat: the peer and the default protected step again, keeping the cast kernels; in f32
+    # there is no cast, so the same training to the last bit, each judged against its own peer.
+    extra = [r for r in got if r["remat"] == "gemms_weights"]
+    got = [r for r in got if r["remat"] == "gemms"]
+    assert [(r["protect"], r["attention"]) for r in extra] == [
+        (False, "jax (XLA)"),
+        (True, "materialised, verified"),
+    ]
+    assert extra[0]["on_over_cudnn"] == 1.0
+    assert extra[1]["on_over_cudnn"] == extra[1]["tokens_per_s"] / extra[0]["tokens_per_s"]
     rows = {(r["protect"], r["attention"], r["recompute"]): r for r in got}
+    assert extra[1]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]
+    assert extra[1]["gemm_corrected"] == rows[True, "materialised, verified", "whole GEMM"]["gemm_corrected"]
     on, off = rows[True, "materialised, verified", "whole GEMM"], rows[False, "materialised", None]
     peer = rows[False, "jax (XLA)", None]  # --flash on, unprotected: cuDNN's kernel on a GPU
     redo = rows[True, "materialised, verified", "4 blocks"]  # FaultPolicy(recompute_blocks=4)
