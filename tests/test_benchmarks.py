@@ -947,10 +947,13 @@ def test_matmul_suite_checks_the_default_device_redo_repairs_and_times_the_loop(
     monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
     rows = matmul._shape(256, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
     assert all(r["fused_ms"] == 3.0 and r["loop_ms"] == 2.0 for r in rows)
-    # A redo that leaves the block as found (the kernel replaced by nothing): refused.
-    monkeypatch.setattr(
-        _protected_matmul, "redo_detected", lambda a, b, c, m, out, fl, cnt, **kw: (out, 0, 0, 1)
-    )
+
+    # A redo that leaves the block as found (the kernel replaced by nothing; its tally, where asked
+    # for, the first pass's own): refused.
+    def nothing(a, b, c, m, out, fl, cnt, tally=False, **kw):
+        return (out, 0, 0, 1) + ((_protected_matmul._tally(fl, cnt),) if tally else ())
+
+    monkeypatch.setattr(_protected_matmul, "redo_detected", nothing)
     with pytest.raises(AssertionError, match="redo check 128->256"):
         matmul._shape(64, 128, 256, jnp.bfloat16, FaultPolicy(block_n=128))
 

@@ -14,7 +14,7 @@ from helpers import host_control_flow, jaxpr_eqns
 from pimlayers import ops
 from pimlayers.faults import FaultPolicy, GemmFaults
 from pimlayers.ops import _fused_gemm, _protected_matmul, _redo_kernel
-from pimlayers.ops._abft import ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums
+from pimlayers.ops._abft import ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED, WeightChecksums
 from pimlayers.ops._redo_kernel import redo_detected, redo_kernel_applies
 
 KERNEL = FaultPolicy(recompute_kernel=True)
@@ -99,6 +99,25 @@ def test_checks_shared_with_other_products_are_read_at_the_block_offset():
         got, _, st, redone = _redo(a, b, c2, mag2, y.at[0, 9].set(5.0), flags, zeros, **kw)
         assert (int(st), int(redone)) == (still, 1)
     _close(got[0, 9, 128:], y[0, 9, 128:])
+
+
+@pytest.mark.parametrize("detected", [False, True])
+def test_the_kernels_tally_of_the_first_pass_is_the_protected_gemms(detected):
+    """``tally=True``: the programs count the first pass's flags and gated values of their blocks
+    (every block once: 18 blocks, two programs per row tile, ragged rows), equal to
+    ``_protected_matmul._tally``'s reduction, whether or not a block is redone."""
+    a, b, c, mag = _case(2, 130, 64, 2200, 128, jnp.bfloat16)
+    y = jnp.matmul(a, b, preferred_element_type=jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    flags = rng.choice([ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED], mag.shape, p=[0.9, 0.07, 0.03])
+    if not detected:
+        flags = np.where(flags == ABFT_DETECTED, ABFT_CORRECTED, flags)
+    counts = np.where(rng.random(mag.shape) < 0.05, rng.integers(1, 9, mag.shape), 0)
+    flags, counts = jnp.asarray(flags, jnp.int32), jnp.asarray(counts, jnp.int32)
+    *_, redone, tally = _redo(a, b, c, mag, y, flags, counts, block_n=128, tally=True)
+    want = _protected_matmul._tally(flags, counts)
+    assert [np.asarray(t).tolist() for t in tally] == [np.asarray(t).tolist() for t in want]
+    assert int(redone) == (2 if detected else 0)  # both GEMMs hold a detected block, or neither
 
 
 def test_a_clean_product_is_untouched_and_nothing_is_reported():

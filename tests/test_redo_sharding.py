@@ -110,6 +110,36 @@ def test_a_weight_gradient_gathers_its_split_contraction_only_under_a_branch(cpu
     assert clean["gemm_detected"] == 0 and clean["gemm_recomputed"] == 0
 
 
+def test_a_split_contraction_with_nothing_to_redo_still_counts_what_the_finish_corrected(cpu_mesh):
+    """One located fault in dw (K split over the devices): corrected in place by the finish, nothing
+    left to redo anywhere, so the branch that gathers the contraction is not taken. The report's
+    counts come from the redo's tally (its programs count the first pass's flags; the untaken branch
+    counts them in XLA), and must still show the correction."""
+    x, w = _xw(256, 64, 256, seed=2)
+    xs, ws = NamedSharding(cpu_mesh, P("d")), NamedSharding(cpu_mesh, P())
+    # One of dw's values from row 40 on, of magnitude 2^-9 to 2^-3, its exponent's top bit flipped:
+    # scaled by 2^128 and still finite, an error the check locates (a value of 1-2 zeroed, as the
+    # pairs elsewhere are, is too small to locate and would be recomputed).
+    dy = jnp.cos(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+    dw = np.abs(np.asarray(jnp.matmul(x.T.astype(jnp.float32), dy)))
+    row, col = next((r, c) for r in range(40, 64) for c in range(32) if 2.0**-9 <= dw[r, c] < 2.0**-3)
+    one = GemmFaults(
+        *(jnp.asarray([v], t) for v, t in ((row, jnp.int32), (col, jnp.int32), (30, jnp.int32), (True, bool)))
+    )
+    gx, gw, rep, _ = _run(POLICY, x, w, (GemmFaults.none(), GemmFaults.none(), one), xs, ws)
+    assert tuple(rep[c] for c in COUNTS) == (1, 1, 0, 0)
+    cx, cw, clean, _ = _run(POLICY, x, w, (GemmFaults.none(),) * 3, xs, ws)
+    assert tuple(clean[c] for c in COUNTS) == (0, 0, 0, 0)
+    _close(gx, cx)
+    # The rebuilt value is as exact as its block's checks resolve it (the other values' bf16
+    # rounding enters it: 0.38 off here, among values of ~20), not to its own rounding; the fault
+    # made it ~2^125.
+    gw, cw = np.asarray(gw, np.float32), np.asarray(cw, np.float32)
+    assert abs(gw[row, col] - cw[row, col]) < 1.0
+    gw[row, col] = cw[row, col]
+    _close(gw, cw)
+
+
 @pytest.fixture
 def fsdp_mesh():
     devices = jax.devices("cpu")

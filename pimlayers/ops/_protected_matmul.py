@@ -205,14 +205,28 @@ def _checked_gemm(
     if _margins.active():
         _margins.record(role, y, *own(), a.dtype, **_margin_kw(policy, k))
     out, flags, counts = _finish(y, c, mag, correct=policy.corrects and policy.locate, **kw)
-    in_place, pending, flagged, gated_first = _tally(flags, counts)
+    kernel = policy.corrects and policy.recompute and _redo_kernel_applies(a, b, out_dtype, policy, r, k, n)
+    if kernel:  # the redo kernel's programs tally the first pass from the flags they read anyway
+        out, gated, still, recomputed, tally = redo_detected(
+            a,
+            b,
+            c,
+            mag,
+            out,
+            flags,
+            counts,
+            **_redo_kw(policy),
+            a_t=a_t,
+            b_t=b_t,
+            block_offset=off,
+            tally=True,
+        )
+    else:
+        tally = _tally(flags, counts)
+    in_place, pending, flagged, gated_first = tally
     detected = jnp.sum(flagged > 0, dtype=jnp.int32)
     in_place, pending, gated_first = (jnp.sum(t, dtype=jnp.int32) for t in (in_place, pending, gated_first))
-    recomputed = jnp.int32(0)
-    if policy.corrects and policy.recompute and _redo_kernel_applies(a, b, out_dtype, policy, r, k, n):
-        out, gated, still, recomputed = redo_detected(
-            a, b, c, mag, out, flags, counts, **_redo_kw(policy), a_t=a_t, b_t=b_t, block_offset=off
-        )
+    if kernel:
         gated = gated + gated_first
     elif policy.corrects and policy.recompute and policy.recompute_blocks is not None:
         out, gated, still, recomputed = _redo_blocks(
@@ -239,8 +253,7 @@ def _checked_gemm(
         out, counts, still, recomputed, _ = lax.while_loop(lambda carry: carry[-1], slow, init)
         gated = jnp.sum(counts, dtype=jnp.int32)  # the recompute's counts, where it ran
     else:
-        still = pending
-        gated = gated_first
+        still, gated, recomputed = pending, gated_first, jnp.int32(0)
     report = FaultReport(
         gemm_checked=g,
         gemm_detected=detected,
@@ -324,10 +337,11 @@ def _margin_kw(policy: FaultPolicy, k: int) -> dict:
 
 def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tuple[Int32[Array, " g"], ...]:
     """Per GEMM: blocks corrected in place, blocks pending (detected, not located), blocks flagged
-    at all, values gated. One variadic reduction reads flags and counts once; as four sums XLA
-    made several small kernels per protected GEMM on a GPU (~0.65 ms over a 4-layer step's 84
-    products on an H200, plus a launch gap each). Over several devices each sums its own rows and
-    one all-reduce adds them (``_rows.row_sums``)."""
+    at all, values gated. (Where the redo kernel runs, its programs count these instead, from the
+    flags they read anyway: ``redo_detected(..., tally=True)``.) One variadic reduction reads flags
+    and counts once; as four sums XLA made several small kernels per protected GEMM on a GPU
+    (~0.65 ms over a 4-layer step's 84 products on an H200, plus a launch gap each). Over several
+    devices each sums its own rows and one all-reduce adds them (``_rows.row_sums``)."""
     return row_sums(_tally_local)(flags, counts)
 
 

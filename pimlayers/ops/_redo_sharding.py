@@ -32,11 +32,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Int32
 
-from ._abft import ABFT_DETECTED
+from ._abft import ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED
 from ._rows import axes_of, custom_partitioned, fold_vmap, lead_spec, unfold_vmap
 
-__all__ = ["partitioned"]
+__all__ = ["REDO_STATS", "STATS", "partitioned", "tally_columns"]
+
+# The redo kernel's stats per row and program: blocks still failing, values gated by the redo, the
+# first pass's there, blocks redone (REDO_STATS); then the first pass's own tally of the program's
+# blocks, as ``_protected_matmul._tally`` sums it: blocks corrected in place, detected, flagged at
+# all, values gated.
+STATS = 8
+REDO_STATS = 4
+
+
+def tally_columns(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"], groups: int) -> jax.Array:
+    """Stats (G, R, groups, 8) holding only the first pass's tally, each row's in group 0: what the
+    kernel's programs write where nothing is redone, for a caller that skips the kernel then
+    (:func:`partitioned`'s split contraction)."""
+    i32 = lambda t: t.astype(jnp.int32)
+    cols = (i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts)
+    row = jnp.stack([jnp.sum(c, axis=-1, dtype=jnp.int32) for c in cols], axis=-1)  # (G, R, 4)
+    out = jnp.zeros((*flags.shape[:2], groups, STATS), jnp.int32)
+    return out.at[:, :, 0, REDO_STATS:].set(row)
+
 
 _A, _B, _FLAGS, _COUNTS, _C, _MAG, _Y = range(7)  # the operands' places
 
@@ -45,7 +65,7 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
     """``fn(a, b, flags, counts, c, mag, y) -> (y, stats)`` run on each device's rows of y.
 
     Shapes: a (G, R, K), or (G, K, R) with ``a_t``; b (G, K, N), or (G, N, K) with ``b_t``; flags and
-    counts (G, R, nb); c (G, R, nb2, 2); mag (G, R, nb2); y (G, R, N); stats (G, R, groups, 4).
+    counts (G, R, nb); c (G, R, nb2, 2); mag (G, R, nb2); y (G, R, N); stats (G, R, groups, 8).
     """
     k_a, k_b = (1 if a_t else 2), (2 if b_t else 1)  # the contraction's axis in a and in b
 
@@ -89,7 +109,9 @@ def partitioned(fn: Callable, a_t: bool, b_t: bool) -> Callable:
             # Every device takes the same branch: the gathers inside it are collectives.
             mine = jnp.any(flags == ABFT_DETECTED).astype(jnp.int32)
             anywhere = lax.psum(mine, every) > 0
-            return lax.cond(anywhere, redo, lambda o: (o[-1], jnp.zeros(stats.shape, stats.dtype)), ops)
+            # Nothing redone anywhere: the first pass's tally alone, as the kernel's programs count it.
+            idle = lambda o: (o[-1], tally_columns(o[2], o[3], stats.shape[2]))
+            return lax.cond(anywhere, redo, idle, ops)
 
         return mesh, split_k, named(outs), named(ins)
 
