@@ -42,6 +42,14 @@ takes on it, `checks_kernel_grad_diff` their gradients' largest difference from 
 matmul-parts: the kernel alone, checked against `abft_checks` first, and `protected_checks_kernel`)
 is the opt-in one-read checks kernel.
 
+Reading the fused-tiling table (`python -m benchmarks.run --suite fused-tiling`, Hopper): the opt-in
+fused GEMM (`FaultPolicy(fused=True)`'s forward kernel) under each `FusedConfig` tiling, each checked
+against its reference before timing; `ratio` is XLA's GEMM time / the fused kernel's (> 1: the
+fused kernel, block sums and all, is faster); `default` marks the tiling the library uses. The
+`profile-compare-kernels` tables (`python -m benchmarks.profile --compare` of two `profile-protect`
+or `profile-off` files) set two configurations' steps on one card side by side per kernel:
+`diff_ms` = first - second.
+
 Reading the abft table: "false positives" runs clean protected GEMMs (bf16 at the Llama-3-8B
 shapes with M = 64, f32 on ragged shapes with M = 16; scales 1e-3..1e3) and counts any detection;
 "coverage" flips one random bit of the f32 accumulator per GEMM (ragged shapes, f32/bf16/f16,
