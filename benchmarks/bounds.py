@@ -9,10 +9,15 @@ read of do) at one attention layer of the Llama-3-8B step, timed by their kernel
 the same run. Both are bandwidth-bound: their outputs are small next to their inputs, so
 ``reads`` (bounds time / one read's) says how many times over they read their inputs' bytes.
 Every result is checked against the reference before timing: the tiles against a pure-XLA
-materialisation of the same sums (``_check``).
+materialisation of the same sums (``_check``). On a GPU, rows after them time the backward's Pallas
+bounds with their queries kernel (0.13 ms a layer in the 4-layer Llama-3-8B step on an H100, about
+two reads of q, do and out) at 4, 8 and 16 warps per program (``query_warps``; 8 is the default,
+chosen before any timing), each checked against the default's arrays first.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +171,37 @@ def run(b: int = 1, t: int = 8192, h: int = 32, kv: int = 8, d: int = 128, lam: 
                 xla_read_dev_ms=rd,
                 # > 1: the bounds read their inputs' bytes that many times over XLA's one read.
                 reads=dev / rd,
+            )
+        )
+    if jax.default_backend() == "gpu":
+        rows += query_warps(q, k, v, do, out, lam)
+    return rows
+
+
+def query_warps(q, k, v, do, out, lam: float, warps=(4, 8, 16), interpret: bool = False) -> list[dict]:
+    """The backward's Pallas bounds with its queries kernel (the largest of the three: it reads q, do
+    and out) at each of ``warps`` warps per program, each checked against the default's arrays
+    first; rows with the queries kernel's device time (NaN without a device timeline) and the
+    three kernels' together."""
+    from pimlayers.ops._flash import CS
+    from pimlayers.ops._flash_bwd_bounds import flash_bwd_bounds_kernel
+
+    cfg = FlashBwdConfig()
+    bq, bk, d = cfg.block_q, cfg.block_kv, q.shape[-1]
+    kw = dict(bq=bq, bk=bk, cs=CS, c_b=_c_block(lam, d, bk), c_q=_c_block(lam, d, bq), interpret=interpret)
+    base = flash_bwd_bounds_kernel(q, k, v, do, out, **kw)
+    rows = []
+    for w in warps:
+        fn = jax.jit(functools.partial(flash_bwd_bounds_kernel, **kw, q_warps=w))
+        _same_bwd(fn(q, k, v, do, out), base)
+        us = kernel_us(fn, q, k, v, do, out)
+        queries = sum(t for name, t in us.items() if "bounds_queries" in name)
+        rows.append(
+            dict(
+                bounds=f"backward, Pallas kernels, queries kernel {w} warps",
+                shape=f"B{q.shape[0]} T{q.shape[1]} H{q.shape[2]}/{k.shape[2]} D{d}",
+                dev_ms=sum(us.values()) / 1e3 if us else float("nan"),
+                queries_ms=queries / 1e3 if us else float("nan"),
             )
         )
     return rows

@@ -1339,6 +1339,24 @@ def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
         bounds.run(t=256, h=4, kv=2, d=64)
 
 
+def test_bounds_suite_times_the_queries_kernel_at_each_warp_count_after_checking_it():
+    """On a GPU the suite adds a row per warp count of the backward bounds' queries kernel, each
+    checked against the default's arrays first (here the kernels interpreted on the CPU, no times)."""
+    import jax
+
+    from benchmarks import bounds
+
+    keys = jax.random.split(jax.random.key(1), 5)
+    q, do, out = (jax.random.normal(kk, (1, 128, 4, 64)).astype(jax.numpy.bfloat16) for kk in keys[:3])
+    k, v = (jax.random.normal(kk, (1, 128, 2, 64)).astype(jax.numpy.bfloat16) for kk in keys[3:])
+    rows = bounds.query_warps(q, k, v, do, out, 8.0, warps=(4, 8), interpret=True)
+    assert [r["bounds"] for r in rows] == [
+        "backward, Pallas kernels, queries kernel 4 warps",
+        "backward, Pallas kernels, queries kernel 8 warps",
+    ]
+    assert all(np.isnan(r["queries_ms"]) for r in rows)
+
+
 def test_profile_compare_sets_two_op_tables_side_by_side():
     """What protection adds per op: the totals' row first, then the largest addition; an op one step
     lacks counts zero there (time and kernels), not missing."""

@@ -87,13 +87,27 @@ def _key_rows_kernel(k_ref, v_ref, qmax_ref, domax_ref, tol_st_ref, tol_dpt_ref,
     tol_dpt_ref[...] = c_q * jnp.sum(vb * domax_ref[...][None, :], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("bq", "bk", "cs", "c_b", "c_q", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bq", "bk", "cs", "c_b", "c_q", "interpret", "q_warps"))
 def flash_bwd_bounds_kernel(
-    q, k, v, do, out=None, *, bq: int, bk: int, cs: int, c_b: float, c_q: float, interpret: bool = False
+    q,
+    k,
+    v,
+    do,
+    out=None,
+    *,
+    bq: int,
+    bk: int,
+    cs: int,
+    c_b: float,
+    c_q: float,
+    interpret: bool = False,
+    q_warps: int = 8,
 ) -> dict:
     """The tiles and rows of ``_flash_bwd.flash_bwd_bounds`` for q, do, out (B, T, H, D) and k, v
     (B, S, KV, D), bf16, T a multiple of bq and S of bk, with ``q1max`` (B, H, T/bq) f32 each query
-    block's largest ‖q‖₁ (unscaled) in place of the qm tile, and ``delta`` given ``out``."""
+    block's largest ‖q‖₁ (unscaled) in place of the qm tile, and ``delta`` given ``out``.
+    ``q_warps``: the queries kernel's warps per program (``python -m benchmarks.run --suite
+    bounds`` times 4, 8 and 16 on a GPU)."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g, nq, nk = h // kvh, t // bq, s // bk
@@ -168,8 +182,10 @@ def flash_bwd_bounds_kernel(
         + [jax.ShapeDtypeStruct((b, h, t), f32)] * with_out,
         name="pimlayers_flash_bwd_bounds_queries",
         # Three (bq, D) f32 blocks and their magnitudes live at once: 8 warps keep them in
-        # registers at bq = 64, D = 128 (an a-priori choice, not yet tuned on a GPU).
-        warps=8,
+        # registers at bq = 64, D = 128 (an a-priori choice; the bounds suite times 4, 8 and 16).
+        # In a 4-layer Llama-3-8B step this kernel took 0.13 ms a layer on an H100, about twice
+        # one read of q, do and out (profile-sources-s49).
+        warps=q_warps,
     )(q, do, *([out] if with_out else []), kmax, vmax)
     qs, dos, qd, dod, q1max, tol_s, tol_dp, qabs, doabs = outs[:9]
     # The key rows' factors: the largest |block| sums over the query blocks and the group's heads.
