@@ -799,27 +799,24 @@ def main() -> None:
         note = args.note or f"{args.compare[0]} against {args.compare[1]}"
         command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
         where = measured_on(tables, args.compare)
+
+        def save(suite: str, rows: list[dict]) -> None:  # with --save: a results file
+            if args.save is not None:
+                print(
+                    f"wrote {write_result(suite, rows, command, tag=args.save, note=note, measured_on=where)}"
+                )
+
         if tables[0].get("suite") in KERNEL_TABLES:
             rows = compare_kernels(tables[0]["rows"], tables[1]["rows"])
-            if args.save is not None:
-                path = write_result(
-                    "profile-compare-kernels", rows, command, tag=args.save, note=note, measured_on=where
-                )
-                print(f"wrote {path}")
+            save("profile-compare-kernels", rows)
             print(f"{'diff ms':>9} {'first ms':>9} {'second ms':>9}  kernel (per step)")
             for r in rows[: args.top]:
                 print(f"{r['diff_ms']:9.2f} {r['first_ms']:9.2f} {r['second_ms']:9.2f}  {r['kernel'][:90]}")
             return
         rows = compare(tables[0]["rows"], tables[1]["rows"])
-        if args.save is not None:
-            path = write_result("profile-compare", rows, command, tag=args.save, note=note, measured_on=where)
-            print(f"wrote {path}")
+        save("profile-compare", rows)
         cats = compare_categories(tables[0]["rows"], tables[1]["rows"])
-        if args.save is not None:
-            path = write_result(
-                "profile-categories", cats, command, tag=args.save, note=note, measured_on=where
-            )
-            print(f"wrote {path}")
+        save("profile-categories", cats)
         print(f"{'added ms':>9} {'on ms':>8} {'off ms':>8}  category (per step)")
         for r in cats:
             print(f"{r['added_ms']:9.2f} {r['protect_ms']:8.2f} {r['off_ms']:8.2f}  {r['category']}")
