@@ -30,8 +30,8 @@ kernels launched per step). ``--compare`` runs nothing: it sets two such tables 
 files of the protected and the unprotected step) side by side per op (``profile-compare``) and per
 category (``profile-categories``: attention, GEMMs, check GEMMs, the checks' verify, encodes and
 XLA ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection adds in each;
-given two kernel tables instead (``profile-protect`` / ``profile-off`` files, which runs without
-``--hlo-dump`` save too), it sets them side by side per kernel (``profile-compare-kernels``).
+given two kernel tables instead (``profile-protect`` / ``profile-off`` files, which a run saves
+with or without ``--hlo-dump``), it sets them side by side per kernel (``profile-compare-kernels``).
 ``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
 (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU
 there is no device timeline, so the host's XLA op events are summed instead (the runtime, compiler
