@@ -471,3 +471,26 @@ def test_protect_equinox_block_keeps_outputs_and_corrects_faults():
         lambda t: (t.weight, t.bias, t.faults), detect, (l0.weight, l0.bias, hit), is_leaf=lambda v: v is None
     )
     assert not np.allclose(detect(jax.vmap(p2.norm)(x)[0]), y)  # the injected fault was real
+
+
+def test_failing_groups_are_one_reduction_per_shape_and_count_nan_as_failing():
+    # The attention's report: which (batch, KV head) group of each checked GEMM had a row past its
+    # bound (ratio > 1) or NaN. The backward's seven ratio rows come in two shapes (the dq kernel's
+    # per query head, the dk/dv kernel's per KV head): two reductions, each GEMM's answer its own.
+    from helpers import jaxpr_eqns
+
+    from pimlayers.layers.attention import _failing
+
+    b, h, kvh, t = 2, 4, 2, 16
+    rng = np.random.default_rng(0)
+    rows = [rng.uniform(0, 0.9, (b, h, t)).astype(np.float32) for _ in range(3)]
+    rows += [rng.uniform(0, 0.9, (b, kvh, t)).astype(np.float32) for _ in range(4)]
+    rows[1][1, 3, 5] = 1.5  # batch 1, query head 3: KV group 1
+    rows[4][0, 0, 2] = np.nan
+    rows[6][1, 1, 15] = 1.0 + 2**-20
+    got = np.asarray(_failing([jnp.asarray(r) for r in rows], b, kvh))
+    want = np.zeros((7, b, kvh), bool)
+    want[1, 1, 1] = want[4, 0, 0] = want[6, 1, 1] = True
+    np.testing.assert_array_equal(got, want)
+    jaxpr = jax.make_jaxpr(lambda *r: _failing(list(r), b, kvh))(*rows).jaxpr
+    assert sum(e.primitive.name == "reduce_or" for e, _ in jaxpr_eqns(jaxpr)) == 2
