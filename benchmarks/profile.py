@@ -428,6 +428,7 @@ def _group(path: str) -> str:
     return "/".join(parts[ops[-1] :]) if ops else "/".join(parts[-2:])
 
 
+TOTAL = "(all device kernels)"  # the totals' row of the kernel and op tables
 MOSAIC = "(Mosaic GPU kernels: the verified flash attention)"
 # With FaultPolicy(fused=True) the fused GEMM is a Mosaic GPU kernel too, and the trace names every
 # Mosaic kernel alike (inside XLA's command buffers no HLO op either): one row for both.
@@ -525,7 +526,7 @@ def categories(rows: list[dict]) -> dict[str, dict]:
     (the totals' row left out)."""
     out: dict[str, dict] = {}
     for r in rows:
-        if r["op"].startswith("(all device kernels"):
+        if r["op"].startswith(TOTAL):
             continue
         c = out.setdefault(category(r["op"]), {"ms_per_step": 0.0, "count_per_step": 0.0})
         c["ms_per_step"] += r.get("ms_per_step", 0.0)
@@ -547,7 +548,7 @@ def compare_categories(protect: list[dict], off: list[dict]) -> list[dict]:
     rows.sort(key=lambda r: -r["added_ms"])
 
     def unlisted(table, by):
-        total = next((r["ms_per_step"] for r in table if r["op"].startswith("(all device kernels")), None)
+        total = next((r["ms_per_step"] for r in table if r["op"].startswith(TOTAL)), None)
         return 0.0 if total is None else total - sum(v["ms_per_step"] for v in by.values())
 
     a, b = unlisted(protect, on), unlisted(off, base)
@@ -648,7 +649,7 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
     total of all device kernels per step; where the idle inside the step's program was measured, its
     largest gaps (``profile-gaps``: ms and count per execution, the kernels before and after)."""
     total = {"ms_per_step": summary["total_ms"], "share": 1.0}
-    kernels = [{"kernel": "(all device kernels)", **total, "count_per_step": summary["events"]}]
+    kernels = [{"kernel": TOTAL, **total, "count_per_step": summary["events"]}]
     if "step_idle" in summary:  # inside the step's program, measured per execution (_step_idle)
         si = summary["step_idle"]
         name = f"(device idle inside the step program: median of {si['runs']} executions)"
@@ -668,7 +669,7 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
         kernels.append(row)
     tables = {"profile-protect" if protect else "profile-off": kernels}
     if "sources" in summary:
-        tables["profile-sources"] = [{"op": "(all device kernels)", **total}] + [
+        tables["profile-sources"] = [{"op": TOTAL, **total}] + [
             {"op": r["name"], "ms_per_step": r["ms"], "share": r["share"], "count_per_step": r["count"]}
             for r in summary["sources"]
         ]
@@ -700,8 +701,7 @@ def compare(protect: list[dict], off: list[dict]) -> list[dict]:
         rows.append(
             dict(op=op, protect_ms=ms_on, off_ms=ms_off, added_ms=ms_on - ms_off, protect_n=n_on, off_n=n_off)
         )
-    total = "(all device kernels)"
-    rows.sort(key=lambda r: (r["op"] != total, -r["added_ms"]))
+    rows.sort(key=lambda r: (r["op"] != TOTAL, -r["added_ms"]))
     return rows
 
 
@@ -716,8 +716,7 @@ def compare_kernels(first: list[dict], second: list[dict]) -> list[dict]:
         dict(kernel=k, first_ms=a.get(k, 0.0), second_ms=b.get(k, 0.0), diff_ms=a.get(k, 0.0) - b.get(k, 0.0))
         for k in a.keys() | b.keys()
     ]
-    total = "(all device kernels)"
-    rows.sort(key=lambda r: (r["kernel"] != total, -abs(r["diff_ms"])))
+    rows.sort(key=lambda r: (r["kernel"] != TOTAL, -abs(r["diff_ms"])))
     return rows
 
 

@@ -39,8 +39,6 @@ from ..faults import FaultPolicy, FaultReport
 from ..faults._inject import GemmFaults, inject_gemm_faults
 from . import _margins
 from ._abft import (
-    ABFT_CLEAN,
-    ABFT_CORRECTED,
     ABFT_DETECTED,
     F32_ROUNDOFF,
     WeightChecksums,
@@ -67,6 +65,7 @@ from ._fused_gemm import (
 from ._fused_rows import fused_rows
 from ._gate import gate
 from ._redo_kernel import redo_detected, redo_kernel_applies, redo_kernel_wanted
+from ._redo_sharding import tally_parts
 from ._rows import row_sums
 
 __all__ = [
@@ -347,8 +346,7 @@ def _tally(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"]) -> tup
 
 def _tally_local(flags, counts):
     """``_tally`` of the rows at hand (one device's, where they are split: ``row_sums`` adds them)."""
-    i32 = lambda t: t.astype(jnp.int32)
-    parts = (i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts)
+    parts = tally_parts(flags, counts)
     zero = jnp.int32(0)
     return lax.reduce(
         parts, (zero,) * 4, lambda x, y: tuple(u + v for u, v in zip(x, y, strict=True)), (1, 2)

@@ -37,7 +37,7 @@ from jaxtyping import Array, Int32
 from ._abft import ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED
 from ._rows import axes_of, custom_partitioned, fold_vmap, lead_spec, unfold_vmap
 
-__all__ = ["REDO_STATS", "STATS", "partitioned", "tally_columns"]
+__all__ = ["REDO_STATS", "STATS", "partitioned", "tally_columns", "tally_parts"]
 
 # The redo kernel's stats per row and program: blocks still failing, values gated by the redo, the
 # first pass's there, blocks redone (REDO_STATS); then the first pass's own tally of the program's
@@ -47,13 +47,20 @@ STATS = 8
 REDO_STATS = 4
 
 
+def tally_parts(flags: Int32[Array, "*s"], counts: Int32[Array, "*s"]) -> tuple[Int32[Array, "*s"], ...]:
+    """The first pass's tally per block, as int32: corrected in place, detected (pending), flagged
+    at all, values gated. ``_protected_matmul._tally`` and :func:`tally_columns` sum these (the redo
+    kernel counts the same four in its programs)."""
+    i32 = lambda t: t.astype(jnp.int32)
+    return i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts
+
+
 def tally_columns(flags: Int32[Array, "g r nb"], counts: Int32[Array, "g r nb"], groups: int) -> jax.Array:
     """Stats (G, R, groups, 8) holding only the first pass's tally, each row's in group 0: what the
     kernel's programs write where nothing is redone, for a caller that skips the kernel then
     (:func:`partitioned`'s split contraction)."""
-    i32 = lambda t: t.astype(jnp.int32)
-    cols = (i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts)
-    row = jnp.stack([jnp.sum(c, axis=-1, dtype=jnp.int32) for c in cols], axis=-1)  # (G, R, 4)
+    parts = tally_parts(flags, counts)
+    row = jnp.stack([jnp.sum(c, axis=-1, dtype=jnp.int32) for c in parts], axis=-1)  # (G, R, 4)
     out = jnp.zeros((*flags.shape[:2], groups, STATS), jnp.int32)
     return out.at[:, :, 0, REDO_STATS:].set(row)
 
