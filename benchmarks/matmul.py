@@ -42,7 +42,7 @@ from pimlayers.ops._fused_gemm import TILE, check_tiles_of, fused_gemm, fused_ge
 from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
 
 from ._harness import time_fn, time_pair
-from .profile import kernel_events
+from .profile import device_ms, kernel_events
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
 SMALL_SHAPES = [(256, 1024), (1024, 256), (512, 512)]  # the CPU goal: "protected Dense at small sizes"
@@ -519,7 +519,10 @@ def encodes(shapes=ENCODE_SHAPES, dtype=jnp.bfloat16, weights: int = 12) -> list
     native pair (``abft_encode_pair``, one read for w's sums and wᵀ's; a GPU's, where the shape
     tiles), the native rows and transposed encodes (``abft_encode``, where the platform has them),
     and XLA's column sum of w in f32 (a read of the same bytes). Each native encode is checked
-    against the pure-JAX reference on the first weight before it is timed."""
+    against the pure-JAX reference on the first weight before it is timed. With a device timeline
+    (a GPU) also ``dev_ms_per_weight`` and ``dev_tb_s``: the kernels' time from the profiler (the
+    median of 5 calls), where the wall clock of the smaller shapes is mostly the host's dispatch (on
+    an H100, 2026-12-06, an unchanged kernel's wall clock moved 40% between two runs)."""
     rows = []
     plain, pair = _native_encode(), _native_encode("pimlayers_abft_encode_pair")
     for k, n in shapes:
@@ -538,10 +541,15 @@ def encodes(shapes=ENCODE_SHAPES, dtype=jnp.bfloat16, weights: int = 12) -> list
                 for t, (g, width) in enumerate(((got[0], min(128, n)), (got[1], min(128, k)))):
                     if g is not None:
                         _same_encode(f"{name} {k}x{n} ({'transposed' if t else 'plain'})", want[t], g, width)
-            t = time_fn(jax.jit(lambda vs, f=f: [f(v) for v in vs]), ws, iters=10) / weights
+            batch = jax.jit(lambda vs, f=f: [f(v) for v in vs])
+            t = time_fn(batch, ws, iters=10) / weights
             nbytes = k * n * jnp.dtype(dtype).itemsize
-            rows.append(dict(shape=f"{k}x{n}", dtype=jnp.dtype(dtype).name, kernel=name, weights=weights,
-                             ms_per_weight=t * 1e3, tb_s=nbytes / t / 1e12))  # fmt: skip
+            row = dict(shape=f"{k}x{n}", dtype=jnp.dtype(dtype).name, kernel=name, weights=weights,
+                       ms_per_weight=t * 1e3, tb_s=nbytes / t / 1e12)  # fmt: skip
+            if _device_timeline():  # the kernels' own time: the wall clock's dispatch varies by ~40%
+                dev = device_ms(batch, (ws,), calls=5) / weights
+                row.update(dev_ms_per_weight=dev, dev_tb_s=nbytes / dev / 1e9)
+            rows.append(row)
     return rows
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import statistics
 import warnings
 
 import jax
@@ -40,7 +39,7 @@ import numpy as np
 
 from ._harness import time_fn
 from .matmul import SHAPES, _device_timeline
-from .profile import call_idle, kernel_events
+from .profile import call_idle, device_ms
 
 ATTN = dict(b=1, t=8192, h=32, kv=8, d=128)
 
@@ -101,18 +100,6 @@ def run_gemm(m: int = 8192, shapes=SHAPES) -> list[dict]:
             )
         rows.append(row)
     return rows
-
-
-def _dev_ms(fn, args, calls: int = 3) -> float:
-    """The device kernels' time of one call of a warmed-up ``fn`` (ms): the median over ``calls``
-    profiled calls; NaN without a device timeline, or (with a warning) where the profiler fails:
-    the wall-clock row stands without it."""
-    try:
-        totals = [sum(kernel_events(fn, *args, warmup=0)[0].values()) for _ in range(calls)]
-    except RuntimeError as e:
-        warnings.warn(f"peers: no device time ({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
-        return float("nan")
-    return statistics.median(totals) / 1e3 if all(totals) else float("nan")
 
 
 def _idle_cols(name: str, fn, args) -> dict:
@@ -220,7 +207,7 @@ def run_attention(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["
                         wrong.add(name)
                         raise ValueError(f"output differs from XLA's: max |out - XLA| = {err:.3g}")
                 s = time_fn(fn, *args, warmup=2, iters=10, repeats=5)
-                dev = _dev_ms(fn, args)
+                dev = device_ms(fn, args)
             except (NotImplementedError, ValueError) as e:  # no causal backward in Pallas; a wrong output
                 rows.append(dict(mode=mode, op=name, shape=shape, error=f"{type(e).__name__}: {e}"[:160]))
                 continue
@@ -288,7 +275,7 @@ def _backward_kernels(q, k, v, g, flops, shape, rows, cudnn) -> list[dict]:
             )
             continue
         s = time_fn(fn, q, k, v, out, lse, g, warmup=2, iters=10, repeats=5)
-        t_dev = _dev_ms(fn, (q, k, v, out, lse, g))
+        t_dev = device_ms(fn, (q, k, v, out, lse, g))
         tflops = 2.0 * flops / s / 1e12
         row = dict(mode="bwd", op=name, shape=shape, ms=s * 1e3, tflops=tflops, vs_cudnn=cudnn_bwd / s)
         found.append(row | dict(dev_ms=t_dev, dev_vs_cudnn=cudnn_bwd_dev / t_dev))

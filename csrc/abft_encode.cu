@@ -263,7 +263,29 @@ struct PairArgs {
   float *sums, *abs_sums;      // (G, K, N / 128, 2), (G, K, N / 128): w's blocks of columns
   float *sums_t, *abs_sums_t;  // (G, N, K / 128, 2), (G, N, K / 128): its blocks of rows
   int64_t groups, k, n;
+  bool pairs8;  // sums and sums_t 8-byte aligned: each (s1, s2) pair one store
 };
+
+// One (s1, s2) pair of a sums array: one 8-byte store where the array is 8-byte aligned (a pair's
+// offset is a multiple of 8 bytes), else two.
+//
+// The pair kernel's outputs are few bytes (6 floats per 128 values of w) but many scattered stores
+// (a row's sums per column tile, a column's per row tile: one float each, nbn or nbk floats apart),
+// and on an H100 they, not the reads, bound it: at 4096 x 14336 bf16 ncu found L2 72% busy and
+// DRAM 55% (1.8 TB/s). The 28 weights of 4 Llama-3-8B-dimension layers took 0.972 ms with the
+// pairs' stores fused against 1.043 with two (two runs each, alternating processes, 2026-12-06).
+// Three restructurings measured slower and were not kept (1.06-1.21 ms): the next 4 packs in
+// registers while a thread summed 4; a persistent grid streaming tiles through a cp.async ring in
+// shared memory; that ring with 128 x 1024 regions and the row sums staged to whole sectors. Each
+// cost occupancy (2 CTAs per SM against 3) and kept the column sums' scattered stores.
+__device__ __forceinline__ void StorePair(float* sums, int64_t o, float s1, float s2, bool pairs8) {
+  if (pairs8) {
+    *reinterpret_cast<float2*>(sums + 2 * o) = make_float2(s1, s2);
+  } else {
+    sums[2 * o] = s1;
+    sums[2 * o + 1] = s2;
+  }
+}
 
 // Up to 3 CTAs per SM (<= 85 registers): a thread holds 8 packs in flight (32 registers for
 // 2-byte values) and 3 f32 sums per column of its pack.
@@ -315,8 +337,7 @@ __global__ void __launch_bounds__(kThreads, 3) AbftEncodePairKernel(PairArgs a) 
       }
       if (p == 0) {
         const int64_t o = (g * a.k + rt * kPairTile + r) * nbn + ct;
-        a.sums[2 * o] = a1;  // two f32 stores: nothing promises sums 8-byte alignment
-        a.sums[2 * o + 1] = a2;
+        StorePair(a.sums, o, a1, a2, a.pairs8);
         a.abs_sums[o] = aa;
       }
     }
@@ -350,8 +371,7 @@ __global__ void __launch_bounds__(kThreads, 3) AbftEncodePairKernel(PairArgs a) 
       ta += part[w][2][c];
     }
     const int64_t o = (g * a.n + ct * kPairTile + c) * nbk + rt;
-    a.sums_t[2 * o] = t1;
-    a.sums_t[2 * o + 1] = t2;
+    StorePair(a.sums_t, o, t1, t2, a.pairs8);
     a.abs_sums_t[o] = ta;
   }
 }
@@ -472,7 +492,10 @@ ffi::Error AbftEncodePairCuda(cudaStream_t stream, ffi::AnyBuffer w, int64_t blo
   if (tiles == 0) return ffi::Error::Success();  // nothing to launch
   if (tiles > INT32_MAX)
     return BadArg("abft_encode_pair", "w has more than 2^31 tiles of 128 x 128");
-  const PairArgs a{io.w, io.sums, io.abs_sums, io_t.sums, io_t.abs_sums, io.groups, io.k, io.n};
+  const bool pairs8 = reinterpret_cast<uintptr_t>(io.sums) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(io_t.sums) % 8 == 0;
+  const PairArgs a{io.w,      io.sums, io.abs_sums, io_t.sums, io_t.abs_sums,
+                   io.groups, io.k,    io.n,        pairs8};
   const auto grid = static_cast<unsigned>(tiles);
   switch (io.kind) {
     case FloatKind::kF32:

@@ -1019,6 +1019,27 @@ def test_encode_suite_times_each_kernel_per_weight_after_checking_it():
         assert r["ms_per_weight"] > 0 and r["weights"] == 2
         k, n = map(int, r["shape"].split("x"))
         assert r["tb_s"] == pytest.approx(k * n * 2 / (r["ms_per_weight"] * 1e-3) / 1e12)
+        assert "dev_ms_per_weight" not in r  # a CPU: no device timeline
+
+
+def test_encode_suite_adds_the_kernels_device_time_on_a_gpu(monkeypatch):
+    import jax.numpy as jnp
+
+    from benchmarks import matmul
+
+    seen = []
+
+    def device_ms(fn, args, calls):
+        seen.append((len(args[0]), calls))
+        return 0.5  # ms for the call's 2 weights
+
+    monkeypatch.setattr(matmul, "_device_timeline", lambda: True)  # as on a GPU
+    monkeypatch.setattr(matmul, "device_ms", device_ms)
+    rows = matmul.encodes(shapes=((256, 384),), dtype=jnp.bfloat16, weights=2)
+    assert seen == [(2, 5)] * len(rows)  # each kernel's batch of both weights, 5 profiled calls
+    for r in rows:
+        assert r["dev_ms_per_weight"] == pytest.approx(0.25)
+        assert r["dev_tb_s"] == pytest.approx(256 * 384 * 2 / 0.25e-3 / 1e12)
 
 
 def test_matmul_parts_refuses_native_encodes_that_differ_from_the_reference():
@@ -1544,26 +1565,27 @@ def test_profile_saves_the_step_programs_largest_gaps():
     assert "profile-gaps" not in profile.result_tables(s, protect=True)
 
 
-def test_peers_device_time_is_the_median_of_profiled_calls(monkeypatch):
-    """The peers suite's ``dev_ms``: the median over three profiled calls of the kernels' summed time
-    (so one slow traced call does not move it), NaN where a call shows no device timeline."""
+def test_device_time_is_the_median_of_profiled_calls(monkeypatch):
+    """``profile.device_ms`` (the peers and encode suites' device times): the median over three
+    profiled calls of the kernels' summed time (so one slow traced call does not move it), NaN where
+    a call shows no device timeline."""
     import collections
 
-    from benchmarks import peers
+    from benchmarks import profile
 
     calls = iter([{"a": 900.0, "b": 50.0}, {"a": 2000.0}, {"a": 990.0}])
     traced = lambda fn, *a, warmup: (collections.Counter(next(calls)), None)
-    monkeypatch.setattr(peers, "kernel_events", traced)
-    assert peers._dev_ms(None, ()) == pytest.approx(0.99)  # 950, 2000, 990 us -> 990
-    monkeypatch.setattr(peers, "kernel_events", lambda fn, *a, warmup: (collections.Counter(), None))
-    assert np.isnan(peers._dev_ms(None, ()))
+    monkeypatch.setattr(profile, "kernel_events", traced)
+    assert profile.device_ms(None, ()) == pytest.approx(0.99)  # 950, 2000, 990 us -> 990
+    monkeypatch.setattr(profile, "kernel_events", lambda fn, *a, warmup: (collections.Counter(), None))
+    assert np.isnan(profile.device_ms(None, ()))
 
     def broken(fn, *a, warmup):
         raise RuntimeError("profiler busy")
 
-    monkeypatch.setattr(peers, "kernel_events", broken)
+    monkeypatch.setattr(profile, "kernel_events", broken)
     with pytest.warns(RuntimeWarning, match="profiler busy"):
-        assert np.isnan(peers._dev_ms(None, ()))
+        assert np.isnan(profile.device_ms(None, ()))
 
 
 def test_hlo_collectives_are_counted_with_their_bytes_and_where_they_run(cpu_mesh):
