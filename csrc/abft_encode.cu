@@ -274,7 +274,7 @@ struct PairArgs {
 // and on an H100 they, not the reads, bound it: at 4096 x 14336 bf16 ncu found L2 72% busy and
 // DRAM 55% (1.8 TB/s). The 28 weights of 4 Llama-3-8B-dimension layers took 0.972 ms with the
 // pairs' stores fused against 1.043 with two (two runs each, alternating processes, 2026-12-06).
-// Three restructurings measured slower and were not kept (1.06-1.21 ms): the next 4 packs in
+// Three restructurings measured slower and were not kept (1.06-1.22 ms): the next 4 packs in
 // registers while a thread summed 4; a persistent grid streaming tiles through a cp.async ring in
 // shared memory; that ring with 128 x 1024 regions and the row sums staged to whole sectors. Each
 // cost occupancy (2 CTAs per SM against 3) and kept the column sums' scattered stores.
