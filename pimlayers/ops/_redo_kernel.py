@@ -55,11 +55,11 @@ except ImportError:  # pragma: no cover - a jax that has dropped it
     plt = None
 from jaxtyping import Array, Float, Int32
 
-from ._abft import ABFT_CLEAN, ABFT_CORRECTED, ABFT_DETECTED
+from ._abft import ABFT_CLEAN, ABFT_DETECTED
 from ._fused_check import sums_flags
 from ._redo_sharding import REDO_STATS as _REDO_STATS
 from ._redo_sharding import STATS as _STATS
-from ._redo_sharding import partitioned
+from ._redo_sharding import partitioned, tally_parts
 
 __all__ = ["redo_detected", "redo_kernel_applies", "redo_kernel_chosen", "redo_kernel_wanted"]
 
@@ -189,19 +189,15 @@ def _kernel(a_ref, b_ref, flags_ref, counts_ref, c_ref, mag_ref, y_in_ref, y_ref
 
     refs = (a_ref, b_ref, counts_ref, c_ref, mag_ref, y_ref)
     # The clean path: a few small gathers of flags and counts, then their tally written and exit.
-    anyd = jnp.int32(0)
     z = jnp.zeros((_BM,), jnp.int32)
-    corrected, pending, flagged, gated = z, z, z, z
+    tally = (z,) * (_STATS - _REDO_STATS)  # corrected, detected, flagged, gated: per row
     for t in range(bpp):
         blk = jj * bpp + t
-        fl = flags_of(blk)
-        anyd = jnp.maximum(anyd, jnp.max((fl == ABFT_DETECTED).astype(jnp.int32)))
-        corrected += (fl == ABFT_CORRECTED).astype(jnp.int32)
-        pending += (fl == ABFT_DETECTED).astype(jnp.int32)
-        flagged += (fl != ABFT_CLEAN).astype(jnp.int32)
-        gated += plt.load(counts_ref.at[g, rows, blk], mask=rmask & (blk < nb), other=0)
-    first = _columns(z, z, z, z, corrected, pending, flagged, gated)
-    stats = lax.cond(anyd > 0, lambda st: lax.fori_loop(0, bpp, block, st), lambda st: st, first)
+        cnt = plt.load(counts_ref.at[g, rows, blk], mask=rmask & (blk < nb), other=0)
+        tally = tuple(s + p for s, p in zip(tally, tally_parts(flags_of(blk), cnt), strict=True))
+    first = _columns(*(z,) * _REDO_STATS, *tally)
+    anyd = jnp.max(tally[1]) > 0  # a row of the program's blocks detected
+    stats = lax.cond(anyd, lambda st: lax.fori_loop(0, bpp, block, st), lambda st: st, first)
     plt.store(stats_ref.at[g, rows, jj, pl.ds(0, _STATS)], stats, mask=rmask[:, None])
 
 

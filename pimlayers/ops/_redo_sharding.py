@@ -49,8 +49,8 @@ REDO_STATS = 4
 
 def tally_parts(flags: Int32[Array, "*s"], counts: Int32[Array, "*s"]) -> tuple[Int32[Array, "*s"], ...]:
     """The first pass's tally per block, as int32: corrected in place, detected (pending), flagged
-    at all, values gated. ``_protected_matmul._tally`` and :func:`tally_columns` sum these (the redo
-    kernel counts the same four in its programs)."""
+    at all, values gated. ``_protected_matmul._tally``, :func:`tally_columns` and the redo kernel's
+    programs sum these."""
     i32 = lambda t: t.astype(jnp.int32)
     return i32(flags == ABFT_CORRECTED), i32(flags == ABFT_DETECTED), i32(flags != ABFT_CLEAN), counts
 
