@@ -130,6 +130,7 @@ def _step(res: dict) -> list[dict]:
         peer = next((c for c in cudnn if c.get("remat") == r.get("remat")), cudnn[0] if cudnn else None)
         case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
         case += ", plain checks" if r.get("checks") == "c1 only" else ""
+        case += ", kernels cast by each layer" if r.get("weights") == "cast by each layer" else ""
         case += f", remat {r.get('remat')}" if r.get("remat") != main else ""
         theirs = f"cuDNN step {peer['step_ms']:.4g} ms" if peer else ""
         ours = f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}"

@@ -41,6 +41,7 @@ def run(
     loop: bool = False,
     plain_checks: bool = False,
     also_remat: tuple[str, ...] = (),
+    no_cast: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -67,7 +68,9 @@ def run(
     ``also_remat``: further remat policies under which the cuDNN peer (where it runs) and the default
     protected step run again in the same process, their rows' ``remat`` saying which; each row's
     ``on_over_cudnn`` is against the cuDNN step of its own policy (two policies' steps side by side
-    on one card, e.g. "gemms_weights" against "gemms")."""
+    on one card, e.g. "gemms_weights" against "gemms"). The protected steps multiply by the
+    scrub's bf16 copies of the kernels (``TrainConfig.cast_on_scrub``); ``no_cast`` adds the
+    default protected step with each layer casting its kernels instead (as before 2026-12-06)."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -77,28 +80,30 @@ def run(
     # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
     # without recompute), with ``loop`` on with the recompute loops (recompute_kernel None:
     # the policy's default, the device kernel where a GPU runs it).
-    # The last field: the position-weighted checks (False: ``plain_checks``).
-    configs = [(False, False, "auto", None, True, None, True)]
-    configs += [(False, False, "on", None, True, None, True)] if cudnn_peer else []
-    configs += [(True, False, "auto", None, True, None, True)]
-    configs += [(True, True, "auto", None, True, None, True)] if fused else []
-    configs += [(True, False, "auto", redo_blocks, True, None, True)] if redo_blocks else []
-    configs += [(True, False, "auto", None, True, False, True)] if loop else []
-    configs += [(True, False, "auto", None, False, None, True)] if no_recompute else []
-    configs += [(True, True, "auto", None, False, None, True)] if no_recompute and fused else []
-    configs += [(True, False, "auto", None, True, None, False)] if plain_checks else []
+    # Then: the position-weighted checks (False: ``plain_checks``); the kernels' compute copies from
+    # the scrub (False: ``no_cast``).
+    configs = [(False, False, "auto", None, True, None, True, True)]
+    configs += [(False, False, "on", None, True, None, True, True)] if cudnn_peer else []
+    configs += [(True, False, "auto", None, True, None, True, True)]
+    configs += [(True, True, "auto", None, True, None, True, True)] if fused else []
+    configs += [(True, False, "auto", redo_blocks, True, None, True, True)] if redo_blocks else []
+    configs += [(True, False, "auto", None, True, False, True, True)] if loop else []
+    configs += [(True, False, "auto", None, False, None, True, True)] if no_recompute else []
+    configs += [(True, True, "auto", None, False, None, True, True)] if no_recompute and fused else []
+    configs += [(True, False, "auto", None, True, None, False, True)] if plain_checks else []
     # Both: the fused forward GEMM forms the plain checks itself (no check GEMMs in the forward).
-    configs += [(True, True, "auto", None, True, None, False)] if plain_checks and fused else []
+    configs += [(True, True, "auto", None, True, None, False, True)] if plain_checks and fused else []
+    configs += [(True, False, "auto", None, True, None, True, False)] if no_cast else []
     runs = [(remat_policy, c) for c in configs]
     for extra in also_remat:
-        runs += [(extra, (False, False, "on", None, True, None, True))] if cudnn_peer else []
-        runs += [(extra, (True, False, "auto", None, True, None, True))]
-    for remat, (protect, fz, flash, rb, redo, kernel, weighted) in runs:
+        runs += [(extra, (False, False, "on", None, True, None, True, True))] if cudnn_peer else []
+        runs += [(extra, (True, False, "auto", None, True, None, True, True))]
+    for remat, (protect, fz, flash, rb, redo, kernel, weighted, cast) in runs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(
                 layers, steps, n, seq, config, dtype, flip_every, remat, tmp,
                 protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
-                recompute_kernel=kernel, weighted_checks=weighted,
+                recompute_kernel=kernel, weighted_checks=weighted, cast_on_scrub=cast,
             )  # fmt: skip
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
@@ -109,6 +114,7 @@ def run(
                 "fused": fz if protect else None,
                 "recompute": _recompute_label(rb, redo, kernel) if protect else None,
                 "checks": ("c1, c2" if weighted else "c1 only") if protect else None,
+                "weights": ("scrub's bf16 copy" if cast else "cast by each layer") if protect else None,
                 "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -123,6 +129,9 @@ def run(
                 "tokens_per_s": s["tokens_per_s_median"],
                 "tokens_per_s_per_device": s["tokens_per_s_median"] / s["devices"],
                 "mfu": s["mfu_median"],
+                # The step program's footprint per device (compiled memory analysis); peak_gb is
+                # the process's allocator peak over every configuration run before it too.
+                "program_gb": (s["step_program_bytes"] or 0) / 1e9,
                 "peak_gb": (s["peak_bytes_in_use"] or 0) / 1e9,
                 "limit_gb": (s["bytes_limit"] or 0) / 1e9,
                 "flips_injected": inj["flips"],
@@ -166,6 +175,7 @@ def step_config(
     recompute: bool = True,
     recompute_kernel: bool | None = None,
     weighted_checks: bool = True,
+    cast_on_scrub: bool = True,
 ) -> TrainConfig:
     """The training script's configuration for one of the suite's steps (one sequence per device;
     protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
@@ -191,6 +201,7 @@ def step_config(
         recompute_kernel=recompute_kernel,
         locate=weighted_checks,  # nothing to locate with without c2
         weighted_checks=weighted_checks,
+        cast_on_scrub=cast_on_scrub,
         flash=flash,
         flip_every=flip_every if protect else 0,
         gemm_fault_rate=0.2 if protect else 0.0,

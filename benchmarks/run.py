@@ -102,6 +102,11 @@ def main() -> None:
         "--fused", action="store_true", help="llama3: also protected with the fused forward GEMM (Hopper)"
     )
     ap.add_argument(
+        "--no-cast",
+        action="store_true",
+        help="llama3: also protected with each layer casting its kernels (no compute copies from the scrub)",
+    )
+    ap.add_argument(
         "--redo-blocks",
         type=int,
         default=0,
@@ -216,6 +221,7 @@ def main() -> None:
                 loop=args.loop,
                 plain_checks=args.plain_checks,
                 also_remat=also_remat,
+                no_cast=args.no_cast,
             ),
         ),
     ):

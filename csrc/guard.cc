@@ -89,11 +89,19 @@ ffi::Error GuardManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t gro
   return ffi::Error::Success();
 }
 
+// float32 bits rounded to bfloat16 bits as XLA's convert rounds: to nearest, ties to even (the
+// carry out of the low half adds one to the kept half); a NaN stays a NaN, quieted.
+uint16_t Bf16Bits(uint32_t u) {
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 ffi::Error VerifyManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
-                         ffi::RemainingRets rets) {
+                         ffi::Span<const int64_t> casts, ffi::RemainingRets rets) {
   std::vector<ManyLeaf> leaves;
   int32_t* count = nullptr;
-  if (auto e = CollectVerifyMany(args, rets, bank_bytes, group, &leaves, &count); e.failure())
+  if (auto e = CollectVerifyMany(args, rets, bank_bytes, group, casts, &leaves, &count);
+      e.failure())
     return e;
   int64_t faulty = 0;
   for (const ManyLeaf& L : leaves) {
@@ -112,6 +120,11 @@ ffi::Error VerifyManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t gr
       const bool bad = now[0] != L.psums_in[2 * g] || now[1] != L.psums_in[2 * g + 1];
       L.bad_par[g] = bad;
       faulty += bad;
+    }
+    for (int64_t i = 0; L.cast != nullptr && i < L.bytes / 4; ++i) {
+      uint32_t u;
+      std::memcpy(&u, L.x + 4 * i, 4);
+      L.cast[i] = Bf16Bits(u);
     }
   }
   *count = static_cast<int32_t>(faulty);
@@ -142,4 +155,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankVerifyManyCpu, pimlayers::VerifyManyCpu,
                                   .RemainingArgs()  // x_i, parity_i, sums_i, psums_i
                                   .Attr<int64_t>("bank_bytes")
                                   .Attr<int64_t>("group")
-                                  .RemainingRets());  // now_i, bad_i, bad_par_i; then the count
+                                  .Attr<xla::ffi::Span<const int64_t>>("casts")  // 0/1 per array
+                                  .RemainingRets());  // now_i, bad_i, bad_par_i; count; casts

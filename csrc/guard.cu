@@ -7,7 +7,11 @@
 // reduction per bank); thread t XORs column t of the staged members into the parity, writes it and
 // adds the parity row's terms. Banks of several chunks add their chunks' sums (associative) into
 // 64-bit scratch counters with fire-and-forget atomics, reduced mod p by a second small kernel.
+#include <cuda_bf16.h>
+
 #include <cstring>
+#include <utility>
+
 #include "cuda_util.h"
 
 #include "guard_many.h"
@@ -395,6 +399,38 @@ __device__ __forceinline__ void LoadPass(const ManyTable& T, const ManyUnit& u, 
   }
 }
 
+// Two float32 words rounded to bfloat16 (to nearest, ties to even: XLA's convert), packed low
+// first.
+__device__ __forceinline__ uint32_t Bf16Pair(uint32_t lo, uint32_t hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(__uint_as_float(lo), __uint_as_float(hi));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Verify with a cast: thread t's vectors of the pass (four float32 each) written, rounded, to the
+// leaf's bfloat16 copy: the scrub's read of the weights also gives the forward pass its compute
+// copy. 8-byte stores (the copy is 8-byte aligned: checked on the host) but at a leaf's end.
+__device__ __forceinline__ void CastPass(const ManyTable& T, const ManyUnit& u, int64_t mb,
+                                         int64_t c, const uint4 (&q)[kBatch]) {
+  const ManyLeaf& L = *u.leaf;
+  const int64_t v = c * kManyThreads + threadIdx.x;
+  if (L.cast == nullptr || v >= T.vecs) return;
+  const int64_t nm = u.members - mb;
+#pragma unroll
+  for (int m = 0; m < kBatch; ++m) {
+    const int64_t off = (u.first + mb + m) * T.bank_bytes + v * 16;
+    if (m >= nm || off >= L.bytes) continue;
+    const uint2 r = make_uint2(Bf16Pair(q[m].x, q[m].y), Bf16Pair(q[m].z, q[m].w));
+    uint16_t* dst = L.cast + off / 4;
+    if (off + 16 <= L.bytes) {
+      *reinterpret_cast<uint2*>(dst) = r;
+    } else {  // a float32 leaf's bytes are a multiple of 4: 1 to 3 values left
+      const uint16_t h[4] = {static_cast<uint16_t>(r.x), static_cast<uint16_t>(r.x >> 16),
+                             static_cast<uint16_t>(r.y), static_cast<uint16_t>(r.y >> 16)};
+      for (int k = 0; k < (L.bytes - off) / 4; ++k) dst[k] = h[k];
+    }
+  }
+}
+
 // The parity of one pass (guard: XORed into the row, written), then every checksum term of the
 // pass reduced over the warp; lane k adds term k into `mine` (reduced mod p by the caller).
 template <bool kVerify>
@@ -496,6 +532,7 @@ __global__ void __launch_bounds__(kManyThreads) ManyKernel(const ManyTable T) {
       for (int64_t c = 0; c < T.nchunks; ++c) {
         uint4 q[kBatch], stored;
         LoadPass<kVerify>(T, u, mb, c, q, stored);
+        if (kVerify) CastPass(T, u, mb, c, q);
         ReducePass<kVerify>(T, u, mb, c, q, stored, mine);
         if (c % 256 == 255) mine = ModM31(mine);  // 256 chunks: below 2^63
       }
@@ -532,6 +569,7 @@ __global__ void __launch_bounds__(kManyThreads, 4) ManyKernelFast(const ManyTabl
   } else {
     LoadPass<kVerify>(T, u, 0, 0, q, stored);
   }
+  if (kVerify) CastPass(T, u, 0, 0, q);
   uint64_t mine = 0;
   ReducePass<kVerify>(T, u, 0, 0, q, stored, mine);
   FinishPass<kVerify>(T, u, 0, mine, red, want);
@@ -550,13 +588,15 @@ ffi::Error LaunchMany(const ManyTable& T, int64_t units, cudaStream_t stream) {
   return CudaStatus(kVerify ? "bank_verify_many" : "bank_guard_many");
 }
 
+// casts: verify only (the guard's handler passes an empty span).
 template <bool kVerify>
 ffi::Error ManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
-                    int64_t bank_bytes, int64_t group, ffi::RemainingRets rets) {
+                    int64_t bank_bytes, int64_t group, ffi::Span<const int64_t> casts,
+                    ffi::RemainingRets rets) {
   const char* op = kVerify ? "bank_verify_many" : "bank_guard_many";
   std::vector<ManyLeaf> leaves;
   int32_t* count = nullptr;
-  if (auto e = kVerify ? CollectVerifyMany(args, rets, bank_bytes, group, &leaves, &count)
+  if (auto e = kVerify ? CollectVerifyMany(args, rets, bank_bytes, group, casts, &leaves, &count)
                        : CollectGuardMany(args, rets, bank_bytes, group, &leaves);
       e.failure()) {
     return e;
@@ -606,6 +646,12 @@ ffi::Error ManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Rem
   return LaunchMany<kVerify>(T, units, stream);
 }
 
+ffi::Error GuardManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                         ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
+                         ffi::RemainingRets rets) {
+  return ManyCuda<false>(stream, std::move(scratch), args, bank_bytes, group, {}, rets);
+}
+
 }  // namespace
 }  // namespace pimlayers
 
@@ -620,7 +666,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankGuardCuda, pimlayers::GuardCuda,
                                   .Ret<xla::ffi::AnyBuffer>()    // parity: (..., ngroups, bank) u8
                                   .Ret<xla::ffi::AnyBuffer>());  // parity sums: (..., ngroups, 2)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankGuardManyCuda, pimlayers::ManyCuda<false>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankGuardManyCuda, pimlayers::GuardManyCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()  // the leaf table
@@ -636,4 +682,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankVerifyManyCuda, pimlayers::ManyCuda<true>,
                                   .RemainingArgs()  // x_i, parity_i, sums_i, psums_i
                                   .Attr<int64_t>("bank_bytes")
                                   .Attr<int64_t>("group")
-                                  .RemainingRets());  // now_i, bad_i, bad_par_i; then the count
+                                  .Attr<xla::ffi::Span<const int64_t>>("casts")  // 0/1 per array
+                                  .RemainingRets());  // now_i, bad_i, bad_par_i; count; casts

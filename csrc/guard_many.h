@@ -3,10 +3,12 @@
 //
 //   bank_guard_many(x_0 .. x_{n-1}) -> (sums_i, parity_i, psums_i) for each i, as bank_guard with
 //     parity_sums=True on each x_i alone (one example: no batch axes).
-//   bank_verify_many(x_i, parity_i, sums_i, psums_i for each i) -> (now_i, bad_i, bad_par_i) for
-//     each i, then count: now_i = bank_checksums(x_i); bad_i[b] = now_i[b] != sums_i[b] (either
-//     sum); bad_par_i[g] = bank_checksums(parity_i)[g] != psums_i[g]; count = int32 number of true
-//     entries of every bad_i and bad_par_i.
+//   bank_verify_many(x_i, parity_i, sums_i, psums_i for each i; casts) -> (now_i, bad_i, bad_par_i)
+//     for each i, then count, then cast_i for each i with casts[i] = 1: now_i =
+//     bank_checksums(x_i); bad_i[b] = now_i[b] != sums_i[b] (either sum); bad_par_i[g] =
+//     bank_checksums(parity_i)[g] != psums_i[g]; count = int32 number of true entries of every
+//     bad_i and bad_par_i; cast_i = x_i (float32) rounded to bfloat16 (to nearest, ties to even, as
+//     XLA's convert), written from the same read of x_i.
 #pragma once
 
 #include <initializer_list>
@@ -28,6 +30,7 @@ struct ManyLeaf {
   uint32_t* psums = nullptr;           // guard
   uint8_t* bad = nullptr;              // verify: bool per bank
   uint8_t* bad_par = nullptr;          // verify: bool per group
+  uint16_t* cast = nullptr;            // verify: x (float32) as bfloat16 bits, or null
 };
 
 // buf must be `dtype` of exactly `dims` (no batch axes). Strings are built only for an error: the
@@ -115,15 +118,30 @@ inline ffi::Error CollectGuardMany(ffi::RemainingArgs args, ffi::RemainingRets r
 }
 
 inline ffi::Error CollectVerifyMany(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                    int64_t bank_bytes, int64_t group, std::vector<ManyLeaf>* out,
+                                    int64_t bank_bytes, int64_t group,
+                                    ffi::Span<const int64_t> casts, std::vector<ManyLeaf>* out,
                                     int32_t** count) {
   static const std::string op = "bank_verify_many";
   if (auto e = CheckManyAttrs(op, bank_bytes, group); e.failure()) return e;
-  if (args.size() % 4 != 0 || rets.size() != 3 * (args.size() / 4) + 1) {
-    return BadArg(op, std::to_string(args.size()) + " operands and " + std::to_string(rets.size()) +
-                          " results; expected 4 operands and 3 results per array, and a count");
-  }
   const size_t n = args.size() / 4;
+  if (args.size() % 4 != 0 || casts.size() != n) {
+    return BadArg(op, std::to_string(args.size()) + " operands and " +
+                          std::to_string(casts.size()) +
+                          " cast flags; expected 4 operands and one flag per array");
+  }
+  size_t ncast = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (casts[i] != 0 && casts[i] != 1) {
+      return BadArg(op, "cast flag " + std::to_string(i) + " is " + std::to_string(casts[i]) +
+                            "; expected 0 or 1");
+    }
+    ncast += static_cast<size_t>(casts[i]);
+  }
+  if (rets.size() != 3 * n + 1 + ncast) {
+    return BadArg(op, std::to_string(n) + " arrays, " + std::to_string(ncast) + " cast and " +
+                          std::to_string(rets.size()) +
+                          " results; expected 3 results per array, a count and one per cast");
+  }
   auto c = rets.get<ffi::AnyBuffer>(3 * n);
   if (!c.has_value()) return BadArg(op, "the count is not a buffer");
   if (c.value()->element_type() != ffi::DataType::S32 || c.value()->dimensions().size() != 0) {
@@ -174,6 +192,30 @@ inline ffi::Error CollectVerifyMany(ffi::RemainingArgs args, ffi::RemainingRets 
     L.sums_in = static_cast<const uint32_t*>(sums->untyped_data());
     L.psums_in = static_cast<const uint32_t*>(psums->untyped_data());
     L.sums = Data<uint32_t>(*now), L.bad = Data<uint8_t>(*bad), L.bad_par = Data<uint8_t>(*bad_par);
+  }
+  size_t k = 3 * n + 1;  // the casts follow the count, in the order of their arrays
+  for (size_t i = 0; i < n; ++i) {
+    if (casts[i] == 0) continue;
+    auto x = args.get<ffi::AnyBuffer>(4 * i);
+    auto c = rets.get<ffi::AnyBuffer>(k++);
+    if (!c.has_value())
+      return BadArg(op, "the cast of array " + std::to_string(i) + " is not a buffer");
+    if (x->element_type() != ffi::DataType::F32) {
+      return BadArg(op, "array " + std::to_string(i) + " is " + DtypeName(x->element_type()) +
+                            "; a cast reads float32");
+    }
+    auto xd = x->dimensions(), cd = c.value()->dimensions();
+    bool same = c.value()->element_type() == ffi::DataType::BF16 && xd.size() == cd.size();
+    for (size_t d = 0; same && d < xd.size(); ++d) same = xd[d] == cd[d];
+    if (!same) {
+      return BadArg(op, "the cast of array " + std::to_string(i) + " is " +
+                            DtypeName(c.value()->element_type()) + ShapeString(cd) +
+                            "; expected bfloat16" + ShapeString(xd));
+    }
+    if (reinterpret_cast<uintptr_t>(c.value()->untyped_data()) % 8 != 0) {
+      return BadArg(op, "the cast of array " + std::to_string(i) + " is not 8-byte aligned");
+    }
+    (*out)[i].cast = Data<uint16_t>(*c);
   }
   return ffi::Error::Success();
 }

@@ -184,6 +184,7 @@ def handler_cases(gpu) -> list:
         # Last: on 2026-12-01 (H200, compute-sanitizer of CUDA 13) the tool itself segfaulted at the
         # first of these, under memcheck and racecheck, even with these kernels left uninstrumented.
         *[(T.test_bank_guard_and_verify_many, (gpu, 9, b, g)) for b, g in ((16, 3), (4096, 8), (4112, 11))],
+        *[(T.test_verify_many_casts_as_xla_converts, (gpu, b, g)) for b, g in ((4096, 8), (4112, 3))],
     ]
 
 

@@ -254,12 +254,14 @@ def test_goals_step_rows_of_another_remat_policy_name_it_and_their_own_peer():
     rows = [
         peer("gemms", 100.0, 0.5) | dict(on_over_cudnn=1.0),
         on("gemms", 125.0, 0.8, 0.4),
+        on("gemms", 127.0, 0.79, 0.39) | dict(weights="cast by each layer"),  # --no-cast
         peer("gemms_weights", 98.0, 0.51) | dict(on_over_cudnn=1.0),
         on("gemms_weights", 122.5, 0.8, 0.41),
     ]
     got = goals._step(dict(device="gpu:NVIDIA H100", file="s.json", date="2026-12-07T00:00", rows=rows))
     assert [(g["case"], g["peer"]) for g in got] == [
         ("recompute: device kernel", "cuDNN step 100 ms"),
+        ("recompute: device kernel, kernels cast by each layer", "cuDNN step 100 ms"),
         ("recompute: device kernel, remat gemms_weights", "cuDNN step 98 ms"),
     ]
 
@@ -426,6 +428,11 @@ def test_llama3_suite_plain_checks_configuration_drops_c2_and_location(tmp_path)
     )
     assert cfg.weighted_checks and cfg.locate
     assert not plain.weighted_checks and not plain.locate
+    # --no-cast: the protected step whose layers cast their kernels (the default takes the scrub's copies)
+    assert cfg.cast_on_scrub
+    assert not llama3.step_config(
+        1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path), protect=True, cast_on_scrub=False
+    ).cast_on_scrub
 
 
 def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books():

@@ -428,6 +428,32 @@ def test_bank_guard_and_verify_many(gpu, count, bank, group):
     assert int(v.count) == int(r.count) == changed + 1  # one bank per flipped leaf, one parity row
 
 
+@pytest.mark.parametrize(("bank", "group"), [(16, 3), (4096, 8), (4112, 3), (1 << 16, 2)])
+def test_verify_many_casts_as_xla_converts(gpu, bank, group):
+    """The verify kernels' bfloat16 copies of float32 leaves (ragged: 1-3 values past a vector, a
+    partial group; the fast kernel at (4096, 8), the general one elsewhere) equal XLA's convert
+    on the GPU bit for bit, with every other leaf cast by XLA; a flipped bit is flagged and copied
+    as read."""
+    rng = np.random.default_rng(bank + group)
+    xs = _many_leaves(bank + group, 9)
+    for n in (1, 3, 1025, 4096 * 8 + 7, (1 << 22) + 2):  # float32 counts
+        xs.append(jnp.asarray((rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)).astype(np.float32)))
+    xs[-1] = xs[-1].at[:4].set(jnp.array([np.inf, -np.inf, 1.0 + 2.0**-8, -0.0], jnp.float32))
+    guards = jax.jit(lambda a: ops.bank_guard_many(a, bank_bytes=bank, group=group))(xs)
+    b = np.array(xs[-2])
+    b.view(np.uint8)[b.nbytes // 2] ^= 0x40
+    ys = [_on(gpu, x) for x in xs[:-2]] + [_on(gpu, b), _on(gpu, xs[-1])]
+    cast = [jnp.bfloat16] * len(ys)
+    f = jax.jit(
+        lambda a, g: ops.bank_verify_many(a, g, bank_bytes=bank, group=group, cast=cast, impl="native")
+    )
+    v = f(ys, guards)
+    assert int(v.count) == 1
+    for y, c in zip(ys, v.cast, strict=True):
+        want = np.asarray(jax.jit(lambda a: a.astype(jnp.bfloat16))(y))
+        assert c.dtype == jnp.bfloat16 and np.array_equal(np.asarray(c).view(np.uint16), want.view(np.uint16))
+
+
 def test_bank_guard_vmap_unaligned_examples(gpu):
     # 77 float32 = 308 bytes per example: every example after the first starts off a 16-byte boundary.
     x = _on(gpu, random_array(np.random.default_rng(12), (5, 77), jnp.float32))

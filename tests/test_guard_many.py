@@ -190,4 +190,102 @@ def test_native_handlers_return_shape_errors():
     with pytest.raises(
         Exception, match=r"bank_verify_many: the count is float32\(\); expected an int32 scalar"
     ):
-        jax.block_until_ready(verify(x, g[1], g[0], g[2], bank_bytes=np.int64(64), group=np.int64(2)))
+        jax.block_until_ready(
+            verify(
+                x, g[1], g[0], g[2], bank_bytes=np.int64(64), group=np.int64(2), casts=np.zeros(1, np.int64)
+            )
+        )
+
+
+def _cast_cases(seed: int, bank: int, group: int):
+    """Ragged float32 leaves (empty, partial banks and groups, 1-3 values past a 16-byte vector)
+    holding every rounding case, beside leaves of other dtypes."""
+    rng = np.random.default_rng(seed)
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, 1e-45, -3e-39, 3.4e38, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
+         1.0 + 2.0**-8 + 2.0**-20, 65504.0, 2.0**-126],
+        np.float32,
+    )  # fmt: skip
+    out = []
+    for n in (0, 1, 3, bank // 4 + 1, (bank * group) // 4 + 7, 2 * bank * group // 4 + 2):
+        x = rng.standard_normal(n).astype(np.float32) * np.float32(10.0) ** rng.integers(-8, 8, n)
+        x[: min(n, special.size)] = special[: min(n, special.size)]
+        out.append(jnp.asarray(x.reshape((1, n) if n % 2 else (n,))))
+    out.insert(2, random_array(rng, (5, 7), jnp.bfloat16))
+    out.insert(4, random_array(rng, (33,), jnp.int8))
+    return out
+
+
+@pytest.mark.parametrize(("bank", "group"), [(16, 1), (256, 11), (4096, 8), (4112, 3)])
+def test_verify_many_casts_float32_leaves_as_xla_converts(bank, group):
+    """The native kernels' bfloat16 copies equal XLA's convert bit for bit, ties and specials
+    included; leaves of other dtypes or asked for their own dtype come back as XLA casts them."""
+    xs = _cast_cases(bank * group, bank, group)
+    guards = ops.bank_guard_many(xs, bank_bytes=bank, group=group)
+    cast = [jnp.bfloat16] * len(xs)
+    cast[-1] = None  # the last float32 leaf as it is
+    cast[4] = jnp.float32  # int8 -> float32: XLA's convert
+    for impl in ("native", "reference"):
+        v = jax.jit(
+            lambda a, g, i=impl: ops.bank_verify_many(a, g, bank_bytes=bank, group=group, cast=cast, impl=i)
+        )(xs, guards)
+        assert int(v.count) == 0
+        assert len(v.cast) == len(xs)
+        for x, c, d in zip(xs, v.cast, cast, strict=True):
+            want = np.asarray(x.astype(x.dtype if d is None else d))
+            assert c.shape == x.shape and c.dtype == want.dtype, impl
+            assert np.array_equal(np.asarray(c).view(np.uint8), want.view(np.uint8)), impl
+
+
+def test_verify_many_cast_of_a_nan_is_a_nan():
+    x = jnp.asarray(
+        np.array([np.nan, -np.nan, 1.0, np.float32(np.uint32(0x7F800001).view(np.float32))], np.float32)
+    )
+    g = ops.bank_guard_many([x], bank_bytes=16, group=1)
+    v = ops.bank_verify_many([x], g, bank_bytes=16, group=1, cast=[jnp.bfloat16], impl="native")
+    c = np.asarray(v.cast[0], np.float32)
+    assert np.isnan(c[[0, 1, 3]]).all() and c[2] == 1.0
+
+
+def test_verify_many_cast_errors():
+    x = jnp.ones(100)
+    g = ops.bank_guard_many([x], bank_bytes=64, group=2)
+    with pytest.raises(ValueError, match=r"bank_verify_many: 1 arrays but cast is 2; expected one dtype"):
+        ops.bank_verify_many([x], g, bank_bytes=64, group=2, cast=[None, None])
+    with pytest.raises(
+        TypeError, match=r"bank_verify_many: cast\[0\] is 'nodtype'; expected a dtype or None"
+    ):
+        ops.bank_verify_many([x], g, bank_bytes=64, group=2, cast=["nodtype"])
+    assert ops.bank_verify_many([], [], cast=[]).cast == ()
+
+
+def test_native_verify_cast_errors():
+    # Flags and outputs the wrapper would never pass: errors from the handler, not a crash.
+    x, b = jnp.ones(100), jnp.ones(100, jnp.bfloat16)
+    g = ops.bank_guard_many([x], bank_bytes=64, group=2)[0]
+    gb = ops.bank_guard_many([b], bank_bytes=64, group=2)[0]
+    base = [jax.ShapeDtypeStruct((7, 2), jnp.uint32), jax.ShapeDtypeStruct((7,), jnp.bool_),
+            jax.ShapeDtypeStruct((4,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32)]  # fmt: skip
+    kw = dict(bank_bytes=np.int64(64), group=np.int64(2))
+
+    def run(outs, arr, guard, flags):
+        call = jax.ffi.ffi_call("pimlayers_bank_verify_many", outs)
+        return jax.block_until_ready(
+            call(arr, guard[1], guard[0], guard[2], casts=np.asarray(flags, np.int64), **kw)
+        )
+
+    bf = jax.ShapeDtypeStruct((100,), jnp.bfloat16)
+    with pytest.raises(Exception, match=r"bank_verify_many: cast flag 0 is 2; expected 0 or 1"):
+        run([*base, bf], x, g, [2])
+    with pytest.raises(
+        Exception, match=r"4 operands and 2 cast flags; expected 4 operands and one flag per array"
+    ):
+        run(base, x, g, [0, 0])
+    with pytest.raises(Exception, match=r"1 arrays, 1 cast and 4 results; expected 3 results per array"):
+        run(base, x, g, [1])
+    with pytest.raises(Exception, match=r"the cast of array 0 is float32\(100,\); expected bfloat16\(100,\)"):
+        run([*base, jax.ShapeDtypeStruct((100,), jnp.float32)], x, g, [1])
+    base_b = [jax.ShapeDtypeStruct((4, 2), jnp.uint32), jax.ShapeDtypeStruct((4,), jnp.bool_),
+              jax.ShapeDtypeStruct((2,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32)]  # fmt: skip
+    with pytest.raises(Exception, match=r"array 0 is bfloat16; a cast reads float32"):
+        run([*base_b, bf], b, gb, [1])

@@ -410,6 +410,36 @@ def test_repair_writes_in_place_and_scrub_copies_nothing():
     assert compiled["repair"].as_text().count(" conditional(") == 1
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_repair_casts_from_its_read_and_again_after_a_repair(cpu_mesh, sharded):
+    """``repair(cast=)``: the compute copies are the repaired parameters cast (a float32 leaf to
+    bfloat16 by the scrub's kernel, others by XLA), whether the step repaired something or not;
+    one program for both."""
+    rng = np.random.default_rng(13)
+    params = _sharded(cpu_mesh, rng) if sharded else _params(rng)
+    clean = _host(params)
+    store = PimStore(params, GEO)
+    state = store.encode(params)
+    cast = {k: jnp.bfloat16 if k in ("w", "w1", "h") else v.dtype for k, v in params.items()}
+    want = [np.asarray(jnp.asarray(x).astype(cast[k])) for k, x in zip(sorted(params), clean, strict=True)]
+    flips = 0
+    for round_ in range(3):  # clean, then bits flipped in w (a leaf cast by the kernel) and in h
+        if round_:
+            flips += len(faults.random_bit_flips(store, params, 6, seed=round_))
+        out = store.repair(params, state, cast=cast)
+        params, state = out.params, out.state
+        assert int(out.report.banks_repaired) == int(out.report.banks_faulty) and _same(params, clean)
+        for k, c, w in zip(sorted(params), jax.tree.leaves(out.compute), want, strict=True):
+            assert c.dtype == cast[k] and np.array_equal(np.asarray(c).view(np.uint8), w.view(np.uint8)), k
+        if sharded:
+            assert out.compute["w1"].sharding.is_equivalent_to(params["w1"].sharding, 2)
+    assert flips > 0 and len(store._repair_cast) == 1
+    with pytest.raises(ValueError, match=r"cast has structure .*; expected one dtype per parameter"):
+        store.repair(params, state, cast={"q": jnp.bfloat16})
+    with pytest.raises(TypeError, match=r"cast for .*q.* is 'bogus'; expected a dtype"):
+        store.repair(params, state, cast={**cast, "q": "bogus"})
+
+
 def test_adopt_wraps_numpy_buffers_without_a_copy():
     a = aligned_empty((300, 7), np.float32)
     a[...] = np.arange(2100, dtype=np.float32).reshape(300, 7)

@@ -183,3 +183,22 @@ def test_bf16_training_with_the_device_redo_matches_the_loop(tmp_path):
     assert a["gemm"] == b["gemm"] and a["gemm"]["gemm_uncorrectable"] == 0
     assert a["injected"]["gemm_injected"] == 2 and a["gemm"]["gemm_corrected"] >= 2
     assert a["curve"][-1][1] == b["curve"][-1][1]
+
+
+@pytest.mark.slow
+def test_casting_on_the_scrub_trains_as_the_layers_casting(tmp_path):
+    """``--cast-on-scrub`` (the default): the bf16 step multiplies by the scrub's compute copies of
+    the kernels (and casts once on a step without a scrub) and trains as the step whose layers
+    cast each kernel themselves, with bits flipped in the weights and repaired mid-run (the repair's
+    copies cast again from the repaired kernels)."""
+    kw = dict(steps=6, layers=1, devices=1, dtype="bfloat16", flips=2, flip_every=2, scrub_every=2,
+              gemm_fault_rate=0.0, nan_rate=0.0, seed=4)  # fmt: skip
+    a, b = (T.train(_cfg(tmp_path / str(c), cast_on_scrub=c, **kw)) for c in (False, True))
+    assert a["memory"] == b["memory"] and b["memory"]["banks_repaired"] == b["injected"]["flips"] > 0
+    for x, y in zip(jax.tree.leaves(a["params_final"]), jax.tree.leaves(b["params_final"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert a["curve"] == b["curve"]
+    # Each step program's footprint is read from it (compiled memory analysis), not from the
+    # process's peak; the copies add the kernels' bf16 bytes at most.
+    kernels = sum(x.size * 2 for x in jax.tree.leaves(b["params_final"]) if x.ndim == 2)
+    assert a["step_program_bytes"] > 0 and b["step_program_bytes"] <= a["step_program_bytes"] + kernels

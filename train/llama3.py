@@ -6,7 +6,9 @@
     python -m train.llama3 --config llama3_8b --layers 4 --seq 8192 --batch 1 --dtype bfloat16
 
 Every step: the parameters are verified against their PimStore checksums and repaired from parity if
-a bit flipped (verify on read), the forward and backward pass run with ABFT-checked GEMMs, the
+a bit flipped (verify on read; the same read writes the kernels' compute-dtype copies, which the
+step multiplies by: ``--no-cast-on-scrub`` casts in each layer instead), the forward and backward
+pass run with ABFT-checked GEMMs, the
 fault-aware AdamW skips a step with non-finite gradients or an uncorrectable fault, and the new
 parameters are encoded (encode on write). Injected faults (``--flips``, ``--gemm-fault-rate``,
 ``--nan-rate``) are counted beside what the protection reported, so a silent fault would show.
@@ -69,6 +71,12 @@ class TrainConfig:
     eval_every: int = 50
     eval_windows: int = 64
     scrub_every: int = 1  # verify (and repair) parameters every N steps
+    # Protected: the scrub's read of the weights also writes the kernels' compute-dtype copies
+    # (PimStore.repair(cast=)), which the step multiplies by, so no kernel is cast in the forward
+    # pass nor again where the backward pass rematerialises its block (a step without a scrub casts
+    # once, before the forward pass). The copies live through the step. --no-cast-on-scrub: each
+    # layer casts its kernel where it uses it.
+    cast_on_scrub: bool = True
     flips: int = 2  # bits flipped in the parameters at each injection
     flip_every: int = 20  # steps between memory-fault injections (0: never)
     gemm_fault_rate: float = 0.2  # chance per step that one MLP GEMM output gets a flipped bit
@@ -176,6 +184,12 @@ def _spec(shape, fsdp: int) -> P:
 def _xent(logits, targets):
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def _aval(a: jax.Array) -> jax.ShapeDtypeStruct:
+    """``a``'s shape, dtype and, where it is committed to devices, sharding (an uncommitted array
+    goes wherever the program's other arguments are, as it would in the call)."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if a.committed else None)
 
 
 def _peak(device) -> float | None:
@@ -334,6 +348,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # --- the step ---
     layers = model_cfg.n_layers
+    compute = pnnx.compute_dtypes(model)  # each parameter's dtype in the forward pass
 
     def step_fn(params, rest, opt_state, pim_state, batch, key, scrub: bool):
         # The scrub and repair run inside the step's program, not as a call of their own before it:
@@ -341,13 +356,15 @@ def train(cfg: TrainConfig) -> dict:
         # and as a separate call that wait came between two dispatches, the device idle while the
         # host then queued the step (on an H200 the protected step's call took ~180 ms of host
         # time for ~140 ms of kernels). Inside, the host resumes queueing the step's own kernels.
+        cast = compute if store is not None and cfg.cast_on_scrub else None
         if store is not None and scrub:
-            fixed = store.repair(params, pim_state)
-            params, mem = fixed.params, fixed.report
+            fixed = store.repair(params, pim_state, cast=cast)
+            params, mem, weights = fixed.params, fixed.report, fixed.compute
         else:
             mem = FaultReport.zeros()
+            weights = None if cast is None else jax.tree.map(lambda p, d: p.astype(d), params, cast)
         kg, kl, kn = jax.random.split(key, 3)
-        m = nnx.merge(graphdef, params, rest)
+        m = nnx.merge(graphdef, params if weights is None else weights, rest)
         if cfg.protect:
             fire = jax.random.uniform(kg) < cfg.gemm_fault_rate
             which = jax.random.randint(kl, (), 0, layers)
@@ -379,6 +396,8 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.protect:
             report = report + pnnx.backward_report(grads)
             grads = nnx.state(grads, nnx.Param)
+        if weights is not None:  # the gradient of a cast: the copy's, in the parameter's dtype
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         nan = jax.random.uniform(kn) < cfg.nan_rate
         grads = jax.tree.map(lambda g: jnp.where(nan, jnp.asarray(jnp.nan, g.dtype), g), grads)
         updates, opt_state = tx.update(grads, opt_state, params, report=report)
@@ -498,7 +517,7 @@ def train(cfg: TrainConfig) -> dict:
     # evaluation) is left out of the median: where the step makes the host wait (a loop or branch
     # on a GPU), its time was mostly spent inside the previous interval, which ended only once this
     # step had been queued.
-    pending = None
+    pending, first = None, None
     for s in bar:
         if store is not None and cfg.flip_every and s > 0 and s % cfg.flip_every == 0:
             faults.random_bit_flips(store, params, cfg.flips, seed=cfg.seed * 1_000_003 + s)
@@ -506,7 +525,9 @@ def train(cfg: TrainConfig) -> dict:
         batch = jax.device_put(jnp.asarray(next(stream)), batch_sharding)
         args = (params, rest, opt_state, pim_state, batch, jax.random.key(cfg.seed * 7919 + s))
         scrub = store is not None and s % cfg.scrub_every == 0
-        if cfg.hlo_path and s == start:  # lowered from the arguments before they are donated
+        if s == start:  # the step's arguments as the program sees them, kept before they are donated
+            first = (jax.tree.map(_aval, args), scrub)
+        if cfg.hlo_path and s == start:
             pathlib.Path(cfg.hlo_path).write_text(step.lower(*args, scrub=scrub).compile().as_text())
         t_call = time.perf_counter()
         params, opt_state, new_pim, stats, report, mem = step(*args, scrub=scrub)
@@ -543,6 +564,18 @@ def train(cfg: TrainConfig) -> dict:
     # throughput figure; the last step alone is what the progress bar showed.
     median_tok_s = tokens_per_step / float(np.median(step_s)) if step_s else 0.0
     mem = jax.devices()[0].memory_stats() or {}
+    # The first step's program as compiled (after the run: no step waits on it). Its footprint on
+    # one device (arguments, outputs not aliased to them, temporaries) is the step's own; the
+    # allocator's peak is the process's, over every program it ran.
+    program = None if first is None else step.lower(*first[0], scrub=first[1]).compile().memory_analysis()
+    program_bytes = (
+        None
+        if program is None
+        else program.argument_size_in_bytes
+        + program.output_size_in_bytes
+        - program.alias_size_in_bytes
+        + program.temp_size_in_bytes
+    )
     summary = dict(
         config=cfg.config,
         steps=cfg.steps,
@@ -565,7 +598,8 @@ def train(cfg: TrainConfig) -> dict:
         tokens_per_s_median=median_tok_s,
         mfu_median=(flops_tok * median_tok_s / peak) if peak else None,
         flops_per_token=flops_tok,
-        peak_bytes_in_use=mem.get("peak_bytes_in_use"),
+        peak_bytes_in_use=mem.get("peak_bytes_in_use"),  # the process's, all programs so far
+        step_program_bytes=program_bytes,  # the step program's footprint per device
         bytes_limit=mem.get("bytes_limit"),
         mesh=dict(mesh.shape),
         layers=model_cfg.n_layers,

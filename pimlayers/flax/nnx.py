@@ -35,6 +35,7 @@ __all__ = [
     "ProtectedAttentionFn",
     "RMSNorm",
     "backward_report",
+    "compute_dtypes",
     "fault_report",
     "inject",
 ]
@@ -395,3 +396,28 @@ def inject(layer: nnx.Module, faults) -> None:
     if not isinstance(getattr(layer, "fault_sites", None), FaultSites):
         raise TypeError(f"pimlayers.flax.nnx.inject: {type(layer).__name__} is not a pimlayers NNX layer")
     layer.fault_sites.set_value(faults)
+
+
+def compute_dtypes(model: nnx.Module):
+    """The dtype ``model``'s forward pass reads each parameter in, in the structure of
+    ``nnx.state(model, nnx.Param)``: a `Linear` or `LinearGeneral` kernel in its layer's ``dtype``
+    where one is set (``layers.linear`` promotes it so; a "pim" backend's packed copy excepted),
+    every other parameter in its own dtype.
+
+    For ``PimStore.repair(params, state, cast=compute_dtypes(model))``: the scrub's read of the
+    weights then also writes their compute copies, which the step multiplies by in place of
+    casting each kernel in the forward pass and again where its backward pass rematerialises it.
+    """
+    kernels = {
+        (*path, "kernel"): jnp.dtype(m.dtype)
+        for path, m in nnx.iter_modules(model)
+        if isinstance(m, Linear | LinearGeneral)
+        and m.dtype is not None
+        and getattr(m, "backend", "xla") == "xla"
+    }
+
+    def dtype(path, x):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        return kernels.get(keys, jnp.dtype(x.dtype))
+
+    return jax.tree_util.tree_map_with_path(dtype, nnx.state(model, nnx.Param))

@@ -40,17 +40,19 @@ def encode_leaves(leaves, geo: BankGeometry) -> tuple[LeafGuard, ...]:
     return tuple(LeafGuard(*g) for g in out)
 
 
-def check_leaves(leaves, guards, geo: BankGeometry) -> tuple[list[tuple[jax.Array, ...]], jax.Array]:
-    """Per leaf (its checksums now, faulty stripes, faulty parity blocks), and the int32 count of
-    faulty stripes and parity blocks over all leaves: one read of every leaf and of its parity, in
-    one call (``ops.bank_verify_many``)."""
+def check_leaves(leaves, guards, geo: BankGeometry, cast=None):
+    """Per leaf (its checksums now, faulty stripes, faulty parity blocks), the int32 count of
+    faulty stripes and parity blocks over all leaves, and (``cast``: one dtype per leaf) each leaf
+    in its dtype, as read: one read of every leaf and of its parity, in one call
+    (``ops.bank_verify_many``)."""
     v = ops.bank_verify_many(
         list(leaves),
         [(g.sums, g.parity, g.psums) for g in guards],
         bank_bytes=geo.stripe_bytes,
         group=geo.group,
+        cast=cast,
     )
-    return list(zip(v.now, v.bad, v.bad_parity, strict=True)), v.count
+    return list(zip(v.now, v.bad, v.bad_parity, strict=True)), v.count, v.cast
 
 
 def _per_group(mask, ngroups: int, group: int):

@@ -11,7 +11,9 @@ scrub's check 1.9x faster than one op per leaf, docs/gpu-tests.md).
 - ``bank_verify_many(xs, guards)`` → `Verified`: per leaf the checksums now, a bool mask of banks
   whose checksum differs from the stored one and of parity rows whose checksum differs from theirs,
   and the int32 count of every flagged bank and row — the scrub's whole check in one read of the
-  leaves and their parity.
+  leaves and their parity. ``cast=`` also returns each leaf in a dtype of its own (a float32 weight
+  as the bfloat16 copy a forward pass multiplies by): a float32 -> bfloat16 cast is written by the
+  native kernels from the same read, any other by XLA's convert after it.
 
 Each leaf is one example (no batch axes); under ``vmap`` the calls run once per example.
 """
@@ -42,6 +44,7 @@ class Verified(NamedTuple):
     bad: tuple[Bool[Array, " banks"], ...]  # per leaf: checksum differs from the stored one
     bad_parity: tuple[Bool[Array, " groups"], ...]  # per leaf: parity row's checksum differs
     count: Int32[Array, ""]  # true entries of every mask
+    cast: tuple[Array, ...] = ()  # per leaf, with cast=: the leaf in its requested dtype
 
 
 def _check(op: str, xs, bank_bytes, group, impl) -> tuple[list, int, int]:
@@ -97,8 +100,16 @@ def bank_guard_many(
     )
 
 
-def bank_verify_many_reference(xs, guards, bank_bytes: int = 4096, group: int = 8) -> Verified:
-    """Pure-JAX twin (bit-exact): bank_checksums of each leaf and of its parity, compared."""
+def _native_cast(x, dtype) -> bool:
+    """Whether the native kernels write x's cast (float32 -> bfloat16, the weights' compute copy)."""
+    return jnp.dtype(x.dtype) == jnp.float32 and dtype == jnp.bfloat16
+
+
+def bank_verify_many_reference(
+    xs, guards, bank_bytes: int = 4096, group: int = 8, cast: tuple | None = None
+) -> Verified:
+    """Pure-JAX twin (bit-exact): bank_checksums of each leaf and of its parity, compared; the casts
+    by XLA's convert."""
     del group  # the parity rows are given; only their checksums are compared
     now, bad, bad_par = [], [], []
     for x, (sums, par, psums) in zip(xs, guards, strict=True):
@@ -107,10 +118,12 @@ def bank_verify_many_reference(xs, guards, bank_bytes: int = 4096, group: int = 
         bad.append(jnp.any(s != sums, axis=-1))
         bad_par.append(jnp.any(bank_checksums_reference(par, bank_bytes) != psums, axis=-1))
     count = sum((jnp.sum(m, dtype=jnp.int32) for m in bad + bad_par), jnp.int32(0))
-    return Verified(tuple(now), tuple(bad), tuple(bad_par), count)
+    casts = () if cast is None else tuple(x.astype(d) for x, d in zip(xs, cast, strict=True))
+    return Verified(tuple(now), tuple(bad), tuple(bad_par), count, casts)
 
 
-def _verify_native(xs, guards, bank_bytes: int, group: int) -> Verified:
+def _verify_native(xs, guards, bank_bytes: int, group: int, cast: tuple | None = None) -> Verified:
+    flags = [cast is not None and _native_cast(x, d) for x, d in zip(xs, cast or xs, strict=True)]
     out, operands = [], []
     for x, (sums, par, psums) in zip(xs, guards, strict=True):
         nb, ng = num_banks(x, bank_bytes), num_groups(x, bank_bytes, group)
@@ -121,10 +134,19 @@ def _verify_native(xs, guards, bank_bytes: int, group: int) -> Verified:
         ]
         operands += [x, par, sums, psums]
     out.append(jax.ShapeDtypeStruct((), jnp.int32))
+    out += [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x, f in zip(xs, flags, strict=True) if f]
     call = jax.ffi.ffi_call("pimlayers_bank_verify_many", out, vmap_method="sequential")
-    res = call(*operands, bank_bytes=np.int64(bank_bytes), group=np.int64(group))
+    res = call(
+        *operands, bank_bytes=np.int64(bank_bytes), group=np.int64(group), casts=np.asarray(flags, np.int64)
+    )
     n = len(xs)
-    return Verified(tuple(res[0 : 3 * n : 3]), tuple(res[1 : 3 * n : 3]), tuple(res[2 : 3 * n : 3]), res[-1])
+    written = iter(res[3 * n + 1 :])
+    casts = () if cast is None else tuple(
+        next(written) if f else x.astype(d) for x, d, f in zip(xs, cast, flags, strict=True)
+    )  # fmt: skip
+    return Verified(
+        tuple(res[0 : 3 * n : 3]), tuple(res[1 : 3 * n : 3]), tuple(res[2 : 3 * n : 3]), res[3 * n], casts
+    )
 
 
 def _check_guards(op: str, xs, guards, bank_bytes: int, group: int) -> list:
@@ -151,20 +173,48 @@ def _check_guards(op: str, xs, guards, bank_bytes: int, group: int) -> list:
     return out
 
 
+def _check_cast(op: str, xs, cast) -> tuple | None:
+    if cast is None:
+        return None
+    if not isinstance(cast, Sequence) or isinstance(cast, str) or len(cast) != len(xs):
+        n = len(cast) if isinstance(cast, Sequence) else type(cast).__name__
+        raise ValueError(
+            f"pimlayers.{op}: {len(xs)} arrays but cast is {n}; expected one dtype (or None) per array"
+        )
+    out = []
+    for i, (x, d) in enumerate(zip(xs, cast, strict=True)):
+        try:
+            out.append(jnp.dtype(x.dtype if d is None else d))
+        except TypeError as e:
+            raise TypeError(f"pimlayers.{op}: cast[{i}] is {d!r}; expected a dtype or None") from e
+    return tuple(out)
+
+
 def bank_verify_many(
-    xs: Sequence, guards: Sequence, *, bank_bytes: int = 4096, group: int = 8, impl: str = "auto"
+    xs: Sequence,
+    guards: Sequence,
+    *,
+    bank_bytes: int = 4096,
+    group: int = 8,
+    cast: Sequence | None = None,
+    impl: str = "auto",
 ) -> Verified:
     """Check every array in ``xs`` against its stored ``(sums, parity, psums)`` (as bank_guard_many
-    returned them), in one read of the arrays and their parity. Nothing is written back."""
+    returned them), in one read of the arrays and their parity. Nothing is written back.
+
+    ``cast``: None, or one dtype (None: the array's own) per array; ``Verified.cast`` then holds each
+    array in it, as read for the check (a fault in it is a fault in its copy: repair, then cast again).
+    """
     xs, bank_bytes, group = _check("bank_verify_many", xs, bank_bytes, group, impl)
     guards = _check_guards("bank_verify_many", xs, guards, bank_bytes, group)
+    cast = _check_cast("bank_verify_many", xs, cast)
     if not xs:
         return Verified((), (), (), jnp.int32(0))
     return dispatch(
         "bank_verify_many",
         impl,
-        lambda a, g: _verify_native(a, g, bank_bytes, group),
-        lambda a, g: bank_verify_many_reference(a, g, bank_bytes, group),
+        lambda a, g: _verify_native(a, g, bank_bytes, group, cast),
+        lambda a, g: bank_verify_many_reference(a, g, bank_bytes, group, cast),
         xs,
         guards,
     )
