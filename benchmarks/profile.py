@@ -778,6 +778,11 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
+        "--no-cast-on-scrub",
+        action="store_true",
+        help="train's --no-cast-on-scrub: each layer casts its kernels (no compute copies from the scrub)",
+    )
+    ap.add_argument(
         "--flash",
         default="auto",
         choices=["auto", "on", "off"],
@@ -859,7 +864,7 @@ def main() -> None:
         remat=True, remat_policy=args.remat_policy, recompute=not args.no_recompute,
         recompute_blocks=args.redo_blocks, devices=n, eval_every=10**9, eval_windows=n, warmup=1,
         protect=args.protect, fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0,
-        nan_rate=0.0, quiet=True,
+        nan_rate=0.0, quiet=True, cast_on_scrub=not args.no_cast_on_scrub,
     )  # fmt: skip
     # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
     # so both traced runs compile it again and the difference cancels that.
