@@ -367,3 +367,41 @@ def test_gemms_weights_policy_casts_each_kernel_once():
     ):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= 2.0**-5 * np.max(np.abs(a))  # bf16: the remat test's slack
+
+
+def test_a_model_on_its_compute_copies_casts_no_kernel():
+    """``flax.nnx.compute_dtypes``: every linear kernel (q, k, v, o, gate, up, down, the LM head) in
+    the compute dtype, the embedding and norm scales in their own. A model merged with those copies
+    (what the training step multiplies by, from the scrub) casts no kernel in its loss or gradient,
+    under either remat policy, where its layers cast each once or twice."""
+    from helpers import jaxpr_eqns
+
+    from pimlayers.faults import FaultPolicy
+    from pimlayers.flax import nnx as pnnx
+
+    cfg = get_config("llama3_tiny", n_layers=2)
+    toks = jnp.asarray(np.random.default_rng(10).integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
+    m = Llama3(cfg, dtype=jnp.bfloat16, policy=FaultPolicy(), remat="gemms", rngs=nnx.Rngs(0))
+    dtypes = pnnx.compute_dtypes(m)
+    named = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_leaves_with_path(dtypes)}
+    bf16 = {k for k, d in named.items() if d == jnp.bfloat16}
+    assert len(bf16) == 7 * cfg.n_layers + 1 and all("kernel" in k for k in bf16)
+    assert all(named[k] == jnp.float32 for k in named if "embedding" in k or "scale" in k)
+
+    def casts(model) -> int:  # f32 -> bf16 casts of 2-D arrays in the loss and gradient
+        return sum(
+            e.primitive.name == "convert_element_type"
+            and e.params["new_dtype"] == jnp.bfloat16
+            and e.invars[0].aval.dtype == jnp.float32
+            and e.invars[0].aval.ndim == 2
+            and tuple(e.invars[0].aval.shape) != (cfg.vocab_size, cfg.dim)  # the embedding's lookup
+            for e, _ in jaxpr_eqns(grad_jaxpr(model, toks).jaxpr)
+        )
+
+    kernels = 7 * cfg.n_layers
+    for remat, cast in (("gemms", 2 * kernels + 1), ("gemms_weights", kernels + 1)):
+        m = Llama3(cfg, dtype=jnp.bfloat16, policy=FaultPolicy(), remat=remat, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+        copies = jax.tree.map(lambda p, d: p.astype(d), params, pnnx.compute_dtypes(m))
+        assert casts(m) == cast  # the blocks' kernels (again in the backward under "gemms"), the head's
+        assert casts(nnx.merge(graphdef, copies, rest)) == 0
