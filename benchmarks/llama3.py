@@ -237,6 +237,7 @@ def quick(
     no_recompute: bool = False,
     remat_policy: str = "gemms",
     also_remat: tuple[str, ...] = (),
+    no_cast: bool = False,
 ) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
@@ -252,4 +253,5 @@ def quick(
         no_recompute=no_recompute,
         remat_policy=remat_policy,
         also_remat=also_remat,
+        no_cast=no_cast,
     )

@@ -448,6 +448,7 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
             no_recompute=True,
             remat_policy="gemms",
             also_remat=("gemms_weights",),
+            no_cast=True,
         )
     # --also-remat: the peer and the default protected step again, keeping the cast kernels; in f32
     # there is no cast, so the same training to the last bit, each judged against its own peer.
@@ -459,7 +460,14 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     ]
     assert extra[0]["on_over_cudnn"] == 1.0
     assert extra[1]["on_over_cudnn"] == extra[1]["tokens_per_s"] / extra[0]["tokens_per_s"]
+    # --no-cast: the default protected step with each layer casting its kernels (in f32 nothing to
+    # cast: the same training), labelled apart from the default's rows.
+    layers_cast = [r for r in got if r["weights"] == "cast by each layer"]
+    got = [r for r in got if r["weights"] != "cast by each layer"]
+    assert len(layers_cast) == 1 and all(r["weights"] == "scrub's bf16 copy" for r in got if r["protect"])
     rows = {(r["protect"], r["attention"], r["recompute"]): r for r in got}
+    assert layers_cast[0]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]
+    assert all(r["program_gb"] > 0 for r in got)
     assert extra[1]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]
     assert extra[1]["gemm_corrected"] == rows[True, "materialised, verified", "whole GEMM"]["gemm_corrected"]
     on, off = rows[True, "materialised, verified", "whole GEMM"], rows[False, "materialised", None]
