@@ -123,7 +123,7 @@ def bank_verify_many_reference(
 
 
 def _verify_native(xs, guards, bank_bytes: int, group: int, cast: tuple | None = None) -> Verified:
-    flags = [cast is not None and _native_cast(x, d) for x, d in zip(xs, cast or xs, strict=True)]
+    flags = [False] * len(xs) if cast is None else [_native_cast(x, d) for x, d in zip(xs, cast, strict=True)]
     out, operands = [], []
     for x, (sums, par, psums) in zip(xs, guards, strict=True):
         nb, ng = num_banks(x, bank_bytes), num_groups(x, bank_bytes, group)
