@@ -9,6 +9,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardManyCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankVerifyManyCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAdamwGuardManyCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCuda);
@@ -34,6 +35,7 @@ PYBIND11_MODULE(_pimlayers_cuda, m) {
     d["pimlayers_bank_guard"] = Capsule(PlBankGuardCuda);
     d["pimlayers_bank_guard_many"] = Capsule(PlBankGuardManyCuda);
     d["pimlayers_bank_verify_many"] = Capsule(PlBankVerifyManyCuda);
+    d["pimlayers_adamw_guard_many"] = Capsule(PlAdamwGuardManyCuda);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCuda);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCuda);
     d["pimlayers_abft_encode"] = Capsule(PlAbftEncodeCuda);

@@ -14,6 +14,7 @@
 
 #include "cuda_util.h"
 
+#include "adam_guard.h"
 #include "guard_many.h"
 
 namespace pimlayers {
@@ -342,7 +343,9 @@ struct ManyTable {
   const uint32_t* unit0;  // first unit (parity group) of each leaf; unit0[n]: all units
   int n;
   int64_t bank_bytes, vecs, nchunks, group;
-  int32_t* count;  // verify: faulty banks and parity rows, all leaves
+  int32_t* count;        // verify: faulty banks and parity rows, all leaves
+  const AdamLeaf* adam;  // adamw_guard_many: each leaf's update operands, n of them
+  const float* hyper;    // adamw_guard_many: the step's scalars (AdamHyper)
 };
 
 __device__ __forceinline__ uint4 Xor4(uint4 a, uint4 b) {
@@ -588,6 +591,161 @@ ffi::Error LaunchMany(const ManyTable& T, int64_t units, cudaStream_t stream) {
   return CudaStatus(kVerify ? "bank_verify_many" : "bank_guard_many");
 }
 
+// ---- adamw_guard_many: AdamW's update, and the guard of what it writes -----------------------
+//
+// The guard after an optimizer step reads every parameter the update has just written (3.5 GB of
+// float32 for 4 Llama-3-8B layers: ~1.3 ms of an H100's step). Here the update itself is the
+// guard's load: ManyKernelFast's CTA per parity group, thread t's vector t of each member bank,
+// but the vector is computed (p, g, m, v read; p', m', v' written) rather than read, then XORed
+// into the parity and summed as the guard does. The update moves the bytes XLA's update moves (26
+// a parameter with a bfloat16 gradient, 28 with a float32 one); the guard's read of 4 is saved.
+
+// Scalars derived once per thread: the clip factor and the bias corrections' reciprocals.
+struct AdamDerived {
+  float clip, rbc1, rbc2;
+};
+
+__device__ __forceinline__ AdamDerived Derive(const AdamHyper& H) {
+  return {__fdiv_rn(H.max_norm, H.norm), __fdiv_rn(1.f, H.bc1), __fdiv_rn(1.f, H.bc2)};
+}
+
+// AdamW on one float32 parameter, in the order of optax's clip_by_global_norm -> adamw ->
+// apply_updates, every operation rounded on its own (the __f*_rn intrinsics do not contract into
+// FMAs), but for the divisions by a scalar (the clip's, the bias corrections'), taken as products
+// by its reciprocal as XLA's GPU programs take them: one division per value instead of four. On an
+// H100 (4 Llama-3-8B layers, `python -m benchmarks.run --suite update`) the four divisions kept the
+// kernel at 9.99 ms (2 CTAs an SM) and 9.10 (3), against 9.37 and 8.80 with the reciprocals.
+__device__ __forceinline__ float AdamOne(const AdamHyper& H, const AdamDerived& D, float p, float g,
+                                         float& m, float& v) {
+  const float gg = H.trigger != 0.f ? g : __fmul_rn(g, D.clip);
+  const float m1 = __fadd_rn(__fmul_rn(H.one_minus_b1, gg), __fmul_rn(H.b1, m));
+  const float v1 = __fadd_rn(__fmul_rn(H.one_minus_b2, __fmul_rn(gg, gg)), __fmul_rn(H.b2, v));
+  const float mh = __fmul_rn(m1, D.rbc1), vh = __fmul_rn(v1, D.rbc2);
+  float u = __fdiv_rn(mh, __fadd_rn(__fsqrt_rn(__fadd_rn(vh, H.eps_root)), H.eps));
+  u = __fmul_rn(H.step, __fadd_rn(u, __fmul_rn(H.wd, p)));
+  const bool skip = H.skip != 0.f;
+  m = skip ? m : m1, v = skip ? v : v1;
+  return __fadd_rn(p, skip ? 0.f : u);  // p + 0, as apply_updates adds a skipped step's zeros
+}
+
+// The updated float32 vector at byte `off` of leaf i (written to p', m', v'), as the bytes the
+// guard takes; zeros past the leaf's end, as the guard reads there.
+__device__ __forceinline__ uint4 AdamVec(const ManyLeaf& L, const AdamLeaf& A, const AdamHyper& H,
+                                         const AdamDerived& D, int64_t off) {
+  if (off >= L.bytes) return make_uint4(0, 0, 0, 0);
+  const int64_t e = off / 4;
+  const int k = off + 16 <= L.bytes ? 4 : static_cast<int>((L.bytes - off) / 4);
+  float p[4] = {0.f, 0.f, 0.f, 0.f}, g[4] = {0.f, 0.f, 0.f, 0.f}, m[4], v[4];
+  if (k == 4) {
+    const float4 pv = __ldg(reinterpret_cast<const float4*>(A.p + e));
+    const float4 mv = __ldg(reinterpret_cast<const float4*>(A.m + e));
+    const float4 vv = __ldg(reinterpret_cast<const float4*>(A.v + e));
+    if (A.g_bf16) {  // bfloat16 -> float32 is exact: the bits moved up
+      const uint2 gb = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(A.g) + e));
+      g[0] = __uint_as_float(gb.x << 16), g[1] = __uint_as_float(gb.x & 0xffff0000u);
+      g[2] = __uint_as_float(gb.y << 16), g[3] = __uint_as_float(gb.y & 0xffff0000u);
+    } else {
+      const float4 gv = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(A.g) + e));
+      g[0] = gv.x, g[1] = gv.y, g[2] = gv.z, g[3] = gv.w;
+    }
+    p[0] = pv.x, p[1] = pv.y, p[2] = pv.z, p[3] = pv.w;
+    m[0] = mv.x, m[1] = mv.y, m[2] = mv.z, m[3] = mv.w;
+    v[0] = vv.x, v[1] = vv.y, v[2] = vv.z, v[3] = vv.w;
+  } else {  // a leaf's last 1 to 3 values (unrolled: the arrays stay in registers)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= k) continue;
+      p[j] = A.p[e + j], m[j] = A.m[e + j], v[j] = A.v[e + j];
+      g[j] = A.g_bf16 ? __uint_as_float(uint32_t{static_cast<const uint16_t*>(A.g)[e + j]} << 16)
+                      : static_cast<const float*>(A.g)[e + j];
+    }
+  }
+  uint32_t bits[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (j < k) p[j] = AdamOne(H, D, p[j], g[j], m[j], v[j]), bits[j] = __float_as_uint(p[j]);
+  }
+  if (k == 4) {
+    *reinterpret_cast<float4*>(A.p_out + e) = make_float4(p[0], p[1], p[2], p[3]);
+    *reinterpret_cast<float4*>(A.m_out + e) = make_float4(m[0], m[1], m[2], m[3]);
+    *reinterpret_cast<float4*>(A.v_out + e) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j < k) A.p_out[e + j] = p[j], A.m_out[e + j] = m[j], A.v_out[e + j] = v[j];
+    }
+  }
+  return make_uint4(bits[0], bits[1], bits[2], bits[3]);
+}
+
+// One CTA per parity group; banks of at most 4 KiB and groups of at most 8 (the default geometry:
+// one chunk, one pass, as ManyKernelFast). Three CTAs an SM (at most 80 registers a thread): 8.80
+// ms against 9.37 with two (H100, as above).
+__global__ void __launch_bounds__(kManyThreads, 3) AdamGuardKernel(const ManyTable T) {
+  __shared__ uint32_t red[kManyThreads / 32][2 * kBatch + 2];
+  const uint32_t unit = blockIdx.x;
+  const ManyUnit u = Locate(T, unit);
+  const AdamLeaf& A = T.adam[u.leaf - T.leaf];
+  const float* h = T.hyper;  // the fields in AdamHyper's order, straight into registers
+  const AdamHyper H{__ldg(h),      __ldg(h + 1),  __ldg(h + 2),  __ldg(h + 3), __ldg(h + 4),
+                    __ldg(h + 5),  __ldg(h + 6),  __ldg(h + 7),  __ldg(h + 8), __ldg(h + 9),
+                    __ldg(h + 10), __ldg(h + 11), __ldg(h + 12), __ldg(h + 13)};
+  static_assert(kAdamHyper == 14, "AdamHyper's fields are loaded one by one");
+  const AdamDerived D = Derive(H);
+  const int64_t v = threadIdx.x;
+  uint4 q[kBatch];
+#pragma unroll
+  for (int m = 0; m < kBatch; ++m) {
+    q[m] = m < u.members && v < T.vecs
+               ? AdamVec(*u.leaf, A, H, D, (u.first + m) * T.bank_bytes + v * 16)
+               : make_uint4(0, 0, 0, 0);
+  }
+  uint64_t mine = 0;
+  ReducePass<false>(T, u, 0, 0, q, make_uint4(0, 0, 0, 0), mine);
+  FinishPass<false>(T, u, 0, mine, red, make_uint2(0, 0));
+}
+
+// The leaf table in device memory, in one scratch buffer and one copy: the leaves, each leaf's
+// first unit (and the total) and, for adamw_guard_many, the update's arrays. A copy from pageable
+// host memory is staged before cudaMemcpyAsync returns, so the vectors may go when the handler
+// does.
+ffi::Error UploadTable(const char* op, const std::vector<ManyLeaf>& leaves,
+                       const std::vector<AdamLeaf>* adam, ffi::ScratchAllocator& scratch,
+                       cudaStream_t stream, ManyTable* T, int64_t* units) {
+  const size_t n = leaves.size();
+  std::vector<uint32_t> unit0(n + 1);
+  *units = 0;
+  for (size_t i = 0; i < n; ++i) {
+    unit0[i] = static_cast<uint32_t>(*units);
+    *units += leaves[i].ngroups;
+    if (*units >= (int64_t{1} << 31)) {
+      return BadArg(op, std::to_string(*units) + "+ parity groups in one call; at most 2^31 - 1");
+    }
+  }
+  unit0[n] = static_cast<uint32_t>(*units);
+  *T = ManyTable{};
+  T->n = static_cast<int>(n);
+  if (*units == 0) return ffi::Error::Success();
+  const size_t leaf_bytes = n * sizeof(ManyLeaf), unit_bytes = (n + 1) * sizeof(uint32_t);
+  const size_t adam_at = CeilDiv(static_cast<int64_t>(leaf_bytes + unit_bytes), 16) * 16;
+  const size_t bytes = adam ? adam_at + n * sizeof(AdamLeaf) : leaf_bytes + unit_bytes;
+  std::vector<uint8_t> host(bytes);
+  std::memcpy(host.data(), leaves.data(), leaf_bytes);
+  std::memcpy(host.data() + leaf_bytes, unit0.data(), unit_bytes);
+  if (adam) std::memcpy(host.data() + adam_at, adam->data(), n * sizeof(AdamLeaf));
+  auto buf = scratch.Allocate(bytes, 16);
+  if (!buf.has_value())
+    return ffi::Error::Internal(std::string("pimlayers.") + op + ": no scratch memory");
+  uint8_t* dev = static_cast<uint8_t*>(*buf);
+  if (cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+    return CudaStatus(op);
+  }
+  T->leaf = reinterpret_cast<const ManyLeaf*>(dev);
+  T->unit0 = reinterpret_cast<const uint32_t*>(dev + leaf_bytes);
+  T->adam = adam ? reinterpret_cast<const AdamLeaf*>(dev + adam_at) : nullptr;
+  return ffi::Error::Success();
+}
+
 // casts: verify only (the guard's handler passes an empty span).
 template <bool kVerify>
 ffi::Error ManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
@@ -612,35 +770,10 @@ ffi::Error ManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Rem
   if (kVerify && cudaMemsetAsync(count, 0, sizeof(int32_t), stream) != cudaSuccess) {
     return CudaStatus(op);
   }
-  const size_t n = leaves.size();
-  std::vector<uint32_t> unit0(n + 1);
-  int64_t units = 0;
-  for (size_t i = 0; i < n; ++i) {
-    unit0[i] = static_cast<uint32_t>(units);
-    units += leaves[i].ngroups;
-    if (units >= (int64_t{1} << 31)) {
-      return BadArg(op, std::to_string(units) + "+ parity groups in one call; at most 2^31 - 1");
-    }
-  }
-  unit0[n] = static_cast<uint32_t>(units);
-  if (units == 0) return CudaStatus(op);
-  // The table: leaves then unit0, in one scratch buffer. A copy from pageable host memory is staged
-  // before cudaMemcpyAsync returns, so the vectors may go when this handler does.
-  const size_t leaf_bytes = n * sizeof(ManyLeaf), bytes = leaf_bytes + (n + 1) * sizeof(uint32_t);
-  std::vector<uint8_t> host(bytes);
-  std::memcpy(host.data(), leaves.data(), leaf_bytes);
-  std::memcpy(host.data() + leaf_bytes, unit0.data(), (n + 1) * sizeof(uint32_t));
-  auto buf = scratch.Allocate(bytes, 16);
-  if (!buf.has_value())
-    return ffi::Error::Internal(std::string("pimlayers.") + op + ": no scratch memory");
-  uint8_t* dev = static_cast<uint8_t*>(*buf);
-  if (cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess) {
-    return CudaStatus(op);
-  }
   ManyTable T;
-  T.leaf = reinterpret_cast<const ManyLeaf*>(dev);
-  T.unit0 = reinterpret_cast<const uint32_t*>(dev + leaf_bytes);
-  T.n = static_cast<int>(n);
+  int64_t units = 0;
+  if (auto e = UploadTable(op, leaves, nullptr, scratch, stream, &T, &units); e.failure()) return e;
+  if (units == 0) return CudaStatus(op);
   T.bank_bytes = bank_bytes, T.vecs = bank_bytes / 16, T.group = group, T.count = count;
   T.nchunks = CeilDiv(T.vecs, kManyThreads);
   return LaunchMany<kVerify>(T, units, stream);
@@ -650,6 +783,36 @@ ffi::Error GuardManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
                          ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
                          ffi::RemainingRets rets) {
   return ManyCuda<false>(stream, std::move(scratch), args, bank_bytes, group, {}, rets);
+}
+
+// Operands: p, g, m, v per leaf, then the scalars; results: p', m', v', sums, parity, psums per
+// leaf (p', m', v' aliased to p, m, v by the caller, or not: each element is read before its
+// thread writes it).
+ffi::Error AdamGuardManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                             ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
+                             ffi::RemainingRets rets) {
+  const char* op = "adamw_guard_many";
+  std::vector<ManyLeaf> leaves;
+  std::vector<AdamLeaf> adam;
+  const float* hyper = nullptr;
+  if (auto e = CollectAdamGuardMany(args, rets, bank_bytes, group, &leaves, &adam, &hyper);
+      e.failure()) {
+    return e;
+  }
+  if (bank_bytes > 16 * kManyThreads || group > kBatch) {
+    return BadArg(
+        op, "bank_bytes=" + std::to_string(bank_bytes) + ", group=" + std::to_string(group) +
+                "; the fused kernel takes banks of at most " + std::to_string(16 * kManyThreads) +
+                " bytes in groups of at most " + std::to_string(kBatch));
+  }
+  ManyTable T;
+  int64_t units = 0;
+  if (auto e = UploadTable(op, leaves, &adam, scratch, stream, &T, &units); e.failure()) return e;
+  if (units == 0) return CudaStatus(op);
+  T.bank_bytes = bank_bytes, T.vecs = bank_bytes / 16, T.group = group, T.count = nullptr;
+  T.nchunks = 1, T.hyper = hyper;
+  AdamGuardKernel<<<static_cast<unsigned>(units), kManyThreads, 0, stream>>>(T);
+  return CudaStatus(op);
 }
 
 }  // namespace
@@ -684,3 +847,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankVerifyManyCuda, pimlayers::ManyCuda<true>,
                                   .Attr<int64_t>("group")
                                   .Attr<xla::ffi::Span<const int64_t>>("casts")  // 0/1 per array
                                   .RemainingRets());  // now_i, bad_i, bad_par_i; count; casts
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAdamwGuardManyCuda, pimlayers::AdamGuardManyCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()  // the leaf table
+                                  .RemainingArgs()  // p_i, g_i, m_i, v_i; the scalars
+                                  .Attr<int64_t>("bank_bytes")
+                                  .Attr<int64_t>("group")
+                                  .RemainingRets());  // p_i, m_i, v_i, sums_i, parity_i, psums_i

@@ -1,7 +1,9 @@
-"""Fault-aware optimizer wrapper (optax shape) and the encode-on-write parameter update."""
+"""Fault-aware optimizer wrapper (optax shape) and the encode-on-write parameter update (AdamW's
+with the encode fused into its write: `adamw_guarded`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -17,6 +19,8 @@ __all__ = [
     "SKIP_NONFINITE",
     "SKIP_UNCORRECTABLE",
     "FaultAwareState",
+    "GuardedAdamW",
+    "adamw_guarded",
     "fault_aware",
     "refresh_after_update",
 ]
@@ -60,6 +64,45 @@ def _all_finite(tree: Any) -> jax.Array:
     # One reduction per leaf, then a scalar AND; integer leaves are finite by construction.
     flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return functools.reduce(jnp.logical_and, flags, jnp.array(True))
+
+
+def _decide(
+    updates: Any, report: FaultReport | None, skip_on_uncorrectable: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Whether `fault_aware` skips this step, and why (a `SKIP_*` code)."""
+    if report is not None and not isinstance(report, FaultReport):
+        raise TypeError(f"report must be a FaultReport or None; got {type(report).__name__}.")
+    finite = _all_finite(updates)
+    if report is not None and skip_on_uncorrectable:
+        lost = jnp.any(report.any_uncorrectable())  # `any` reduces a vmapped (batched) report.
+    else:
+        lost = jnp.array(False)
+    skip = jnp.logical_or(~finite, lost)
+    reason = jnp.where(
+        lost,
+        jnp.int32(SKIP_UNCORRECTABLE),
+        jnp.where(finite, jnp.int32(SKIP_NONE), jnp.int32(SKIP_NONFINITE)),
+    )
+    return skip, reason
+
+
+def _next_state(
+    state: FaultAwareState, skip, reason, max_consecutive_skips: int | None, inner_state
+) -> FaultAwareState:
+    """`fault_aware`'s counters after a step (skipped or not), around the given inner state."""
+    notfinite_count = jnp.where(skip, _safe_increment(state.notfinite_count), jnp.zeros([], jnp.int32))
+    if max_consecutive_skips is None:
+        gave_up = state.gave_up
+    else:
+        gave_up = jnp.logical_or(state.gave_up, notfinite_count > max_consecutive_skips)
+    return FaultAwareState(
+        notfinite_count=notfinite_count,
+        total_skipped=jnp.where(skip, _safe_increment(state.total_skipped), state.total_skipped),
+        total_steps=_safe_increment(state.total_steps),
+        last_skip_reason=reason,
+        gave_up=gave_up,
+        inner_state=inner_state,
+    )
 
 
 def fault_aware(
@@ -121,19 +164,7 @@ def fault_aware(
         report: FaultReport | None = None,
         **extra: Any,
     ) -> tuple[optax.Updates, FaultAwareState]:
-        if report is not None and not isinstance(report, FaultReport):
-            raise TypeError(f"report must be a FaultReport or None; got {type(report).__name__}.")
-        finite = _all_finite(updates)
-        if report is not None and skip_on_uncorrectable:
-            lost = jnp.any(report.any_uncorrectable())  # `any` reduces a vmapped (batched) report.
-        else:
-            lost = jnp.array(False)
-        skip = jnp.logical_or(~finite, lost)
-        reason = jnp.where(
-            lost,
-            jnp.int32(SKIP_UNCORRECTABLE),
-            jnp.where(finite, jnp.int32(SKIP_NONE), jnp.int32(SKIP_NONFINITE)),
-        )
+        skip, reason = _decide(updates, report, skip_on_uncorrectable)
 
         # Both outcomes computed, one selected (not `lax.cond`): on a GPU the runtime reads a cond's
         # predicate on the host, and this one depends on the whole backward pass, so the host would
@@ -145,20 +176,7 @@ def fault_aware(
         new_updates = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
         new_inner_state = jax.tree.map(lambda n, o: jnp.where(skip, o, n), new_inner_state, state.inner_state)
 
-        notfinite_count = jnp.where(skip, _safe_increment(state.notfinite_count), jnp.zeros([], jnp.int32))
-        if max_consecutive_skips is None:
-            gave_up = state.gave_up
-        else:
-            gave_up = jnp.logical_or(state.gave_up, notfinite_count > max_consecutive_skips)
-        new_state = FaultAwareState(
-            notfinite_count=notfinite_count,
-            total_skipped=jnp.where(skip, _safe_increment(state.total_skipped), state.total_skipped),
-            total_steps=_safe_increment(state.total_steps),
-            last_skip_reason=reason,
-            gave_up=gave_up,
-            inner_state=new_inner_state,
-        )
-        return new_updates, new_state
+        return new_updates, _next_state(state, skip, reason, max_consecutive_skips, new_inner_state)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -179,3 +197,157 @@ def refresh_after_update(params: P, updates: optax.Updates, encode_fn: Callable[
     """
     new_params = optax.apply_updates(params, updates)  # type: ignore[arg-type]
     return new_params, encode_fn(new_params)  # type: ignore[arg-type]
+
+
+def _tree_norm(tree: Any) -> jax.Array:
+    """optax's global norm (``optax.tree.norm``, ``optax.global_norm`` in older releases)."""
+    tree_mod = getattr(optax, "tree", None)
+    if tree_mod is not None and hasattr(tree_mod, "norm"):
+        return tree_mod.norm(tree)
+    return optax.global_norm(tree)
+
+
+def _states(state: Any, cls: type) -> list:
+    return [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls)) if isinstance(s, cls)]
+
+
+def _replace(state: Any, cls: type, new: Any) -> Any:
+    return jax.tree.map(
+        lambda x: new if isinstance(x, cls) else x, state, is_leaf=lambda x: isinstance(x, cls)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardedAdamW:
+    """AdamW (after ``clip_by_global_norm`` when ``clip`` is set) under `fault_aware`, whose step can
+    run fused with the parameters' encode: made by `adamw_guarded`.
+
+    ``tx`` is the optax transformation itself (``fault_aware(chain(clip_by_global_norm(clip),
+    adamw(...)))``): ``init`` and the unfused step are its. `update_and_guard` takes and returns the
+    same state, so either step may follow the other (and a checkpoint of one restores into both).
+    """
+
+    tx: optax.GradientTransformationExtraArgs
+    learning_rate: float | Callable[[jax.Array], jax.Array]
+    b1: float
+    b2: float
+    eps: float
+    eps_root: float
+    weight_decay: float
+    clip: float | None
+    skip_on_uncorrectable: bool
+    max_consecutive_skips: int | None
+
+    def init(self, params: optax.Params) -> FaultAwareState:
+        return self.tx.init(params)
+
+    def update(self, updates, state, params=None, **extra):
+        """The unfused step: ``tx.update`` (then ``optax.apply_updates`` and an encode)."""
+        return self.tx.update(updates, state, params, **extra)
+
+    def hyper(self, grads: Any, state: FaultAwareState, report: FaultReport | None = None):
+        """The step's scalars (`pimlayers.ops.AdamHyper`), each as optax computes it, and the skip
+        decision and reason (`fault_aware`'s)."""
+        from pimlayers.ops import AdamHyper
+
+        skip, reason = _decide(grads, report, self.skip_on_uncorrectable)
+        adam = _one(state.inner_state, optax.ScaleByAdamState)
+        f32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # the unfused step's gradients
+        one = jnp.float32(1)
+        if self.clip is None:
+            trigger, norm, max_norm = one, one, one
+        else:
+            norm = _tree_norm(f32)
+            trigger, max_norm = jnp.squeeze(norm < self.clip).astype(jnp.float32), jnp.float32(self.clip)
+        count = optax.safe_increment(adam.count)
+        if callable(self.learning_rate):
+            sched = _one(state.inner_state, optax.ScaleByScheduleState)
+            step = jnp.asarray(-1 * self.learning_rate(sched.count), jnp.float32)
+        else:
+            step = jnp.float32(-1 * self.learning_rate)
+        f = jnp.float32
+        h = AdamHyper(
+            trigger=trigger,
+            norm=norm,
+            max_norm=max_norm,
+            b1=f(self.b1),
+            one_minus_b1=f(1 - self.b1),
+            b2=f(self.b2),
+            one_minus_b2=f(1 - self.b2),
+            bc1=(1 - self.b1**count).astype(jnp.float32),
+            bc2=(1 - self.b2**count).astype(jnp.float32),
+            eps=f(self.eps),
+            eps_root=f(self.eps_root),
+            wd=f(self.weight_decay),
+            step=step,
+            skip=skip.astype(jnp.float32),
+        )
+        return h, skip, reason
+
+    def update_and_guard(
+        self,
+        grads: Any,
+        state: FaultAwareState,
+        params: Any,
+        store: Any,
+        *,
+        report: FaultReport | None = None,
+    ) -> tuple[Any, FaultAwareState, Any]:
+        """``tx.update``, ``optax.apply_updates`` and ``store.encode`` in one pass over the parameters
+        (`pimlayers.PimStore.adamw_update`; on CUDA one kernel). Returns ``(params, state,
+        pim_state)``; ``params`` and the moments in ``state`` are donated. ``grads`` may be bfloat16
+        (read as float32, exactly)."""
+        h, skip, reason = self.hyper(grads, state, report)
+        adam = _one(state.inner_state, optax.ScaleByAdamState)
+        new_params, mu, nu, pim = store.adamw_update(params, grads, adam.mu, adam.nu, h)
+        # The moments come back selected (kept on a skipped step); the counters as fault_aware's.
+        count = jnp.where(skip, adam.count, optax.safe_increment(adam.count))
+        inner = _replace(state.inner_state, optax.ScaleByAdamState, optax.ScaleByAdamState(count, mu, nu))
+        if callable(self.learning_rate):
+            sched = _one(state.inner_state, optax.ScaleByScheduleState)
+            new = jnp.where(skip, sched.count, optax.safe_increment(sched.count))
+            inner = _replace(inner, optax.ScaleByScheduleState, optax.ScaleByScheduleState(new))
+        return new_params, _next_state(state, skip, reason, self.max_consecutive_skips, inner), pim
+
+
+def _one(state: Any, cls: type) -> Any:
+    found = _states(state, cls)
+    if len(found) != 1:
+        raise ValueError(f"expected one {cls.__name__} in the optimizer state; found {len(found)}")
+    return found[0]
+
+
+def adamw_guarded(
+    learning_rate: float | Callable[[jax.Array], jax.Array],
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 1e-4,
+    clip: float | None = None,
+    max_consecutive_skips: int | None = None,
+    policy: FaultPolicy | None = None,
+) -> GuardedAdamW:
+    """``fault_aware(chain(clip_by_global_norm(clip), adamw(...)))`` with a step fused with the encode.
+
+    The arguments are optax's (``optax.adamw``: ``learning_rate`` a float or a schedule of the
+    step count; decoupled weight decay on every leaf; ``clip`` the global norm, None for none) and
+    `fault_aware`'s. ``update_and_guard(grads, state, params, store)`` then takes the step and
+    encodes its result for a `pimlayers.PimStore` in one pass over the parameters: on a GPU the
+    update's own kernel forms the checksums and parity (``pimlayers.ops.adamw_guard_many``), so the
+    encode does not read the 4 bytes of every parameter again. Float32 parameters and moments.
+    """
+    for name, v in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= float(v) < 1.0:
+            raise ValueError(f"adamw_guarded: {name}={v}; expected 0 <= {name} < 1")
+    if clip is not None and not float(clip) > 0.0:
+        raise ValueError(f"adamw_guarded: clip={clip}; expected a positive global norm or None")
+    inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+    if clip is not None:
+        inner = optax.chain(optax.clip_by_global_norm(clip), inner)
+    tx = fault_aware(inner, max_consecutive_skips=max_consecutive_skips, policy=policy)
+    skip_on = (policy or FaultPolicy()).skip_on_uncorrectable
+    return GuardedAdamW(
+        tx, learning_rate, b1, b2, eps, eps_root, weight_decay, clip, skip_on, max_consecutive_skips
+    )

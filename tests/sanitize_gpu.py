@@ -47,6 +47,7 @@ import jax.numpy as jnp
 _here = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(_here), str(_here.parent)]  # the tests' helpers, and pimlayers from this checkout
 import test_gpu as T  # noqa: E402
+import test_gpu_adam_guard as TA  # noqa: E402
 import test_gpu_memory as TM  # noqa: E402
 
 
@@ -185,6 +186,11 @@ def handler_cases(gpu) -> list:
         # first of these, under memcheck and racecheck, even with these kernels left uninstrumented.
         *[(T.test_bank_guard_and_verify_many, (gpu, 9, b, g)) for b, g in ((16, 3), (4096, 8), (4112, 11))],
         *[(T.test_verify_many_casts_as_xla_converts, (gpu, b, g)) for b, g in ((4096, 8), (4112, 3))],
+        # AdamW's update fused with the guard: whole and ragged groups, both gradient dtypes.
+        *[
+            (TA.test_kernel_matches_reference, (gpu, d, 0.0, b, g))
+            for d, b, g in ((jnp.bfloat16, 4096, 8), (jnp.float32, 512, 3))
+        ],
     ]
 
 

@@ -12,6 +12,8 @@ mesh axis ``axis``, a cross-device parity block of 1/(A - 1) of the shard (A dev
 - ``repair(params, state)`` → (params, state, result): bit-exact rebuild of every group's one faulty
   stripe, written into the donated parameter buffers; more than one fault in a group is reported as
   uncorrectable and left flagged, never "repaired".
+- ``adamw_update(params, grads, mu, nu, hyper)`` → (params, mu, nu, state): AdamW's step and the
+  encode of its result in one pass over the parameters (encode on write, fused into the write).
 - ``rebuild_shard(params, state, lost)`` → (params, state, report): one device's whole shard (data
   and protection data) rebuilt from the other devices on the axis.
 
@@ -33,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import ops
 from ..faults import FaultReport
 from ..ops._common import check_byte_addressable, from_bytes, to_bytes
 from . import _local
@@ -239,6 +242,25 @@ class PimStore:
         new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         return new, self.encode(new)
 
+    def adamw_update(self, params, grads, mu, nu, hyper) -> tuple[Any, Any, Any, PimState]:
+        """AdamW's update and the encode of its result in one pass (``ops.adamw_guard_many``):
+        ``(params', mu', nu', state)``. ``grads``, ``mu`` and ``nu`` are pytrees like ``params``
+        (float32 moments; float32 or bfloat16 gradients), ``hyper`` an ``ops.AdamHyper``; the
+        scalars and the moments usually come from ``pimlayers.optim.adamw_guarded``, which keeps
+        them in optax's state. Every leaf must be float32."""
+        params = self._check(params)
+        for name, t in (("grads", grads), ("mu", mu), ("nu", nu)):
+            treedef = jax.tree_util.tree_structure(t)
+            if treedef != self.treedef:
+                raise _bad(f"{name} have structure {treedef}; the store was built for {self.treedef}")
+        wide = [lf.path for lf in self._leaves if lf.dtype != np.float32]
+        if wide:
+            raise TypeError(
+                f"pimlayers.PimStore.adamw_update: leaves {', '.join(wide)} are not float32; "
+                "AdamW's fused update takes float32 parameters"
+            )
+        return self._adamw(params, grads, mu, nu, hyper)
+
     def faulty_banks(self, result: ScrubResult | RepairResult) -> list[BankAddress]:
         """Host side: every (device, physical bank) with at least one faulty stripe or parity block."""
         table = result.scrub.bank_faults if isinstance(result, RepairResult) else result.bank_faults
@@ -386,6 +408,25 @@ class PimStore:
             out = jax.tree_util.tree_unflatten(self.treedef, new_leaves), new_state, found, report
             return out if cast is None else (*out, jax.tree_util.tree_unflatten(self.treedef, new_casts))
 
+        def adamw(params, grads, mu, nu, hyper):
+            leaves = jax.tree.leaves(params)
+            ps, ms, vs, guards = ops.adamw_guard_many(
+                leaves,
+                jax.tree.leaves(grads),
+                jax.tree.leaves(mu),
+                jax.tree.leaves(nu),
+                hyper,
+                bank_bytes=geo.stripe_bytes,
+                group=geo.group,
+            )
+            guards = tuple(_local.LeafGuard(*g) for g in guards)
+            if a < 2:
+                xs = tuple(jnp.zeros((0,), jnp.uint8) for _ in ps)
+            else:
+                xs = tuple(_local.xparity_encode(to_bytes(x), axis, a) for x in ps)
+            tree = functools.partial(jax.tree_util.tree_unflatten, self.treedef)
+            return tree(ps), tree(ms), tree(vs), PimState(lead(guards), lead(xs))
+
         def rebuild(params, state, lost):
             leaves = jax.tree.leaves(params)
             xs = drop(state.xparity)
@@ -404,10 +445,12 @@ class PimStore:
         scr = self._map(scrub, (pspecs, sspec), scrub_spec)
         rep = self._map(repair, (pspecs, sspec), (pspecs, sspec, scrub_spec, rspec))
         reb = self._map(rebuild, (pspecs, sspec, P()), (pspecs, sspec, rspec))
+        adw = self._map(adamw, (pspecs, pspecs, pspecs, pspecs, P()), (pspecs, pspecs, pspecs, sspec))
         self._encode = jax.jit(enc)
         self._scrub = jax.jit(scr)
         self._repair = jax.jit(lambda p, s: RepairResult(*rep(p, s)), donate_argnums=(0, 1))
         self._rebuild = jax.jit(reb, donate_argnums=(0, 1))
+        self._adamw = jax.jit(adw, donate_argnums=(0, 2, 3))
 
         def build_repair(dtypes):  # repair with casts: one program per tuple of dtypes
             rep_cast = self._map(

@@ -1,5 +1,6 @@
 """Native ops with pure-JAX twins: the insulation gate, bank checksums, parity (and both in one read:
-bank_guard; for many arrays in one call: bank_guard_many, and their check: bank_verify_many), ABFT
+bank_guard; for many arrays in one call: bank_guard_many, and their check: bank_verify_many; AdamW's
+update with the guard of what it writes: adamw_guard_many), ABFT
 checks, the banked (PIM) GEMV; flash attention and its backward with every GEMM verified inside the
 kernels (Hopper)."""
 
@@ -15,6 +16,9 @@ from ._abft import abft_encode_pair as abft_encode_pair
 from ._abft import abft_encode_reference as abft_encode_reference
 from ._abft import abft_finish as abft_finish
 from ._abft import abft_finish_reference as abft_finish_reference
+from ._adam_guard import AdamHyper as AdamHyper
+from ._adam_guard import adamw_guard_many as adamw_guard_many
+from ._adam_guard import adamw_guard_many_reference as adamw_guard_many_reference
 from ._checksum import bank_checksums as bank_checksums
 from ._checksum import bank_checksums_reference as bank_checksums_reference
 from ._checksum import num_banks as num_banks

@@ -1,0 +1,163 @@
+// adamw_guard_many: AdamW's update of many float32 leaves and bank_guard_many of the updated
+// parameters, in one read of each leaf (encode on write, fused into the write).
+//
+//   adamw_guard_many(p_i, g_i, m_i, v_i for each i; hyper) -> (p'_i, m'_i, v'_i, sums_i, parity_i,
+//     psums_i) for each i. p, m, v float32; g float32 or bfloat16, of p's shape; p', m', v' in
+//     place of p, m, v (aliased by the caller). hyper: float32 (kAdamHyper,), the step's scalars in
+//     the order of AdamHyper below; per element, in float32 with every operation rounded on its own
+//     (no contraction), as optax's clip_by_global_norm -> adamw -> apply_updates under
+//     pimlayers.optim.fault_aware, but for its divisions by a scalar, taken as products by the
+//     scalar's reciprocal (as XLA's GPU programs take them):
+//       g~ = trigger ? g : g * (max_norm / norm)
+//       m' = (1 - b1) g~ + b1 m;   v' = (1 - b2) g~^2 + b2 v
+//       u = step * ((m' * (1 / bc1)) / (sqrt(v' * (1 / bc2) + eps_root) + eps) + wd p)
+//       skip: u = 0, m' = m, v' = v;   p' = p + u
+//     and (sums, parity, psums) = bank_guard(p', parity_sums=True) of the bytes written.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "guard_many.h"
+
+namespace pimlayers {
+
+// The step's scalars, read by every thread (the kernel copies them to registers).
+struct AdamHyper {
+  float trigger;  // 1: the global norm is under max_norm, g is used as it is
+  float norm, max_norm;
+  float b1, one_minus_b1, b2, one_minus_b2;
+  float bc1, bc2;  // 1 - b1^t, 1 - b2^t
+  float eps, eps_root, wd;
+  float step;  // -learning_rate(count)
+  float skip;  // 1: the step is skipped (updates zero, moments kept)
+};
+constexpr int64_t kAdamHyper = sizeof(AdamHyper) / sizeof(float);
+
+// Leaf i's AdamW operands and results (its guard's outputs are in the ManyLeaf).
+struct AdamLeaf {
+  const float* p = nullptr;
+  const void* g = nullptr;
+  bool g_bf16 = false;
+  const float* m = nullptr;
+  const float* v = nullptr;
+  float* p_out = nullptr;
+  float* m_out = nullptr;
+  float* v_out = nullptr;
+};
+
+inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto x = a.dimensions(), y = b.dimensions();
+  if (x.size() != y.size()) return false;
+  for (size_t d = 0; d < x.size(); ++d) {
+    if (x[d] != y[d]) return false;
+  }
+  return true;
+}
+
+// The operands, results and attributes of one call, checked; `leaves` carry the guard's geometry
+// and outputs, `adam` the update's arrays, `hyper` the scalars' device address.
+inline ffi::Error CollectAdamGuardMany(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                       int64_t bank_bytes, int64_t group,
+                                       std::vector<ManyLeaf>* leaves, std::vector<AdamLeaf>* adam,
+                                       const float** hyper) {
+  static const std::string op = "adamw_guard_many";
+  if (auto e = CheckManyAttrs(op, bank_bytes, group); e.failure()) return e;
+  if (args.size() % 4 != 1) {
+    return BadArg(op, std::to_string(args.size()) +
+                          " operands; expected 4 per leaf (p, g, m, v) and the scalars");
+  }
+  const size_t n = args.size() / 4;
+  if (rets.size() != 6 * n) {
+    return BadArg(op, std::to_string(n) + " leaves and " + std::to_string(rets.size()) +
+                          " results; expected 6 per leaf (p, m, v, sums, parity, parity sums)");
+  }
+  auto h = args.get<ffi::AnyBuffer>(4 * n);
+  if (!h.has_value()) return BadArg(op, "the scalars are not a buffer");
+  if (auto e = CheckManyBuffer(op, *h, ffi::DataType::F32, {kAdamHyper}, "the scalars", n);
+      e.failure()) {
+    return e;
+  }
+  *hyper = static_cast<const float*>(h->untyped_data());
+  leaves->assign(n, ManyLeaf{});
+  adam->assign(n, AdamLeaf{});
+  const char* names[] = {"p", "g", "m", "v"};
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<ffi::AnyBuffer> in;
+    for (int k = 0; k < 4; ++k) {
+      auto a = args.get<ffi::AnyBuffer>(4 * i + k);
+      if (!a.has_value()) {
+        return BadArg(op,
+                      std::string(names[k]) + " of leaf " + std::to_string(i) + " is not a buffer");
+      }
+      in.push_back(*a);
+    }
+    std::vector<ffi::Result<ffi::AnyBuffer>> out;
+    for (int k = 0; k < 6; ++k) {
+      auto r = rets.get<ffi::AnyBuffer>(6 * i + k);
+      if (!r.has_value()) {
+        return BadArg(op, "a result of leaf " + std::to_string(i) + " is not a buffer");
+      }
+      out.push_back(*r);
+    }
+    for (int k : {0, 2, 3}) {
+      if (in[k].element_type() != ffi::DataType::F32 || !SameDims(in[k], in[0])) {
+        return BadArg(op, std::string(names[k]) + " of leaf " + std::to_string(i) + " is " +
+                              DtypeName(in[k].element_type()) + ShapeString(in[k].dimensions()) +
+                              "; expected float32" + ShapeString(in[0].dimensions()));
+      }
+    }
+    const auto gt = in[1].element_type();
+    if ((gt != ffi::DataType::F32 && gt != ffi::DataType::BF16) || !SameDims(in[1], in[0])) {
+      return BadArg(op, "g of leaf " + std::to_string(i) + " is " + DtypeName(gt) +
+                            ShapeString(in[1].dimensions()) + "; expected float32 or bfloat16" +
+                            ShapeString(in[0].dimensions()));
+    }
+    for (int k = 0; k < 3; ++k) {
+      if ((*out[k]).element_type() != ffi::DataType::F32 || !SameDims(*out[k], in[0])) {
+        return BadArg(op, std::string("the new ") + names[k == 0 ? 0 : k + 1] + " of leaf " +
+                              std::to_string(i) + " is " + DtypeName((*out[k]).element_type()) +
+                              ShapeString((*out[k]).dimensions()) + "; expected float32" +
+                              ShapeString(in[0].dimensions()));
+      }
+    }
+    ManyLeaf& L = (*leaves)[i];
+    // The guard reads the parameters as written: its layout is p's.
+    if (auto e = ManyLayout(op, in[0], bank_bytes, group, i, &L); e.failure()) return e;
+    if (auto e = CheckManyBuffer(op, *out[3], ffi::DataType::U32, {L.nbanks, 2}, "sums", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e =
+            CheckManyBuffer(op, *out[4], ffi::DataType::U8, {L.ngroups, bank_bytes}, "parity", i);
+        e.failure()) {
+      return e;
+    }
+    if (auto e = CheckManyBuffer(op, *out[5], ffi::DataType::U32, {L.ngroups, 2}, "parity sums", i);
+        e.failure()) {
+      return e;
+    }
+    L.sums = Data<uint32_t>(out[3]), L.parity = Data<uint8_t>(out[4]);
+    L.psums = Data<uint32_t>(out[5]);
+    AdamLeaf& A = (*adam)[i];
+    A.p = static_cast<const float*>(in[0].untyped_data());
+    A.g = in[1].untyped_data(), A.g_bf16 = gt == ffi::DataType::BF16;
+    A.m = static_cast<const float*>(in[2].untyped_data());
+    A.v = static_cast<const float*>(in[3].untyped_data());
+    A.p_out = Data<float>(out[0]), A.m_out = Data<float>(out[1]), A.v_out = Data<float>(out[2]);
+    // 16-byte vectors of p, m, v and their results, 8- or 16-byte ones of g (XLA's buffers are
+    // aligned; a view into another buffer need not be).
+    const void* vec[] = {A.p, A.m, A.v, A.p_out, A.m_out, A.v_out, L.parity};
+    for (const void* q : vec) {
+      if (reinterpret_cast<uintptr_t>(q) % 16 != 0) {
+        return BadArg(op, "a buffer of leaf " + std::to_string(i) + " is not 16-byte aligned");
+      }
+    }
+    if (reinterpret_cast<uintptr_t>(A.g) % (A.g_bf16 ? 8 : 16) != 0) {
+      return BadArg(op, "g of leaf " + std::to_string(i) + " is not aligned to its 4 values");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace pimlayers
