@@ -131,6 +131,7 @@ def _step(res: dict) -> list[dict]:
         case = f"recompute: {r.get('recompute')}" + (", fused forward GEMM" if r.get("fused") else "")
         case += ", plain checks" if r.get("checks") == "c1 only" else ""
         case += ", kernels cast by each layer" if r.get("weights") == "cast by each layer" else ""
+        case += ", update then encode" if r.get("update") == "then encode" else ""
         case += f", remat {r.get('remat')}" if r.get("remat") != main else ""
         theirs = f"cuDNN step {peer['step_ms']:.4g} ms" if peer else ""
         ours = f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}"

@@ -42,6 +42,7 @@ def run(
     plain_checks: bool = False,
     also_remat: tuple[str, ...] = (),
     no_cast: bool = False,
+    unfused_update: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -70,7 +71,10 @@ def run(
     ``on_over_cudnn`` is against the cuDNN step of its own policy (two policies' steps side by side
     on one card, e.g. "gemms_weights" against "gemms"). The protected steps multiply by the
     scrub's bf16 copies of the kernels (``TrainConfig.cast_on_scrub``); ``no_cast`` adds the
-    default protected step with each layer casting its kernels instead (as before 2026-12-06)."""
+    default protected step with each layer casting its kernels instead (as before 2026-12-06);
+    the protected steps take AdamW's step fused with the encode of its result
+    (``TrainConfig.fused_update``); ``unfused_update`` adds the default protected step with the
+    step, then the encode (as before 2026-12-06)."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -81,29 +85,30 @@ def run(
     # without recompute), with ``loop`` on with the recompute loops (recompute_kernel None:
     # the policy's default, the device kernel where a GPU runs it).
     # Then: the position-weighted checks (False: ``plain_checks``); the kernels' compute copies from
-    # the scrub (False: ``no_cast``).
-    configs = [(False, False, "auto", None, True, None, True, True)]
-    configs += [(False, False, "on", None, True, None, True, True)] if cudnn_peer else []
-    configs += [(True, False, "auto", None, True, None, True, True)]
-    configs += [(True, True, "auto", None, True, None, True, True)] if fused else []
-    configs += [(True, False, "auto", redo_blocks, True, None, True, True)] if redo_blocks else []
-    configs += [(True, False, "auto", None, True, False, True, True)] if loop else []
-    configs += [(True, False, "auto", None, False, None, True, True)] if no_recompute else []
-    configs += [(True, True, "auto", None, False, None, True, True)] if no_recompute and fused else []
-    configs += [(True, False, "auto", None, True, None, False, True)] if plain_checks else []
+    # the scrub (False: ``no_cast``); AdamW's step fused with the encode (False: ``unfused_update``).
+    configs = [(False, False, "auto", None, True, None, True, True, True)]
+    configs += [(False, False, "on", None, True, None, True, True, True)] if cudnn_peer else []
+    configs += [(True, False, "auto", None, True, None, True, True, True)]
+    configs += [(True, True, "auto", None, True, None, True, True, True)] if fused else []
+    configs += [(True, False, "auto", redo_blocks, True, None, True, True, True)] if redo_blocks else []
+    configs += [(True, False, "auto", None, True, False, True, True, True)] if loop else []
+    configs += [(True, False, "auto", None, False, None, True, True, True)] if no_recompute else []
+    configs += [(True, True, "auto", None, False, None, True, True, True)] if no_recompute and fused else []
+    configs += [(True, False, "auto", None, True, None, False, True, True)] if plain_checks else []
     # Both: the fused forward GEMM forms the plain checks itself (no check GEMMs in the forward).
-    configs += [(True, True, "auto", None, True, None, False, True)] if plain_checks and fused else []
-    configs += [(True, False, "auto", None, True, None, True, False)] if no_cast else []
+    configs += [(True, True, "auto", None, True, None, False, True, True)] if plain_checks and fused else []
+    configs += [(True, False, "auto", None, True, None, True, False, True)] if no_cast else []
+    configs += [(True, False, "auto", None, True, None, True, True, False)] if unfused_update else []
     runs = [(remat_policy, c) for c in configs]
     for extra in also_remat:
-        runs += [(extra, (False, False, "on", None, True, None, True, True))] if cudnn_peer else []
-        runs += [(extra, (True, False, "auto", None, True, None, True, True))]
-    for remat, (protect, fz, flash, rb, redo, kernel, weighted, cast) in runs:
+        runs += [(extra, (False, False, "on", None, True, None, True, True, True))] if cudnn_peer else []
+        runs += [(extra, (True, False, "auto", None, True, None, True, True, True))]
+    for remat, (protect, fz, flash, rb, redo, kernel, weighted, cast, upd) in runs:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = step_config(
                 layers, steps, n, seq, config, dtype, flip_every, remat, tmp,
                 protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
-                recompute_kernel=kernel, weighted_checks=weighted, cast_on_scrub=cast,
+                recompute_kernel=kernel, weighted_checks=weighted, cast_on_scrub=cast, fused_update=upd,
             )  # fmt: skip
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
@@ -115,6 +120,7 @@ def run(
                 "recompute": _recompute_label(rb, redo, kernel) if protect else None,
                 "checks": ("c1, c2" if weighted else "c1 only") if protect else None,
                 "weights": ("scrub's bf16 copy" if cast else "cast by each layer") if protect else None,
+                "update": ("fused with the encode" if upd else "then encode") if protect else None,
                 "attention": _attention_label(protect, flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -176,6 +182,7 @@ def step_config(
     recompute_kernel: bool | None = None,
     weighted_checks: bool = True,
     cast_on_scrub: bool = True,
+    fused_update: bool = True,
 ) -> TrainConfig:
     """The training script's configuration for one of the suite's steps (one sequence per device;
     protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
@@ -202,6 +209,7 @@ def step_config(
         locate=weighted_checks,  # nothing to locate with without c2
         weighted_checks=weighted_checks,
         cast_on_scrub=cast_on_scrub,
+        fused_update=fused_update,
         flash=flash,
         flip_every=flip_every if protect else 0,
         gemm_fault_rate=0.2 if protect else 0.0,
@@ -238,6 +246,7 @@ def quick(
     remat_policy: str = "gemms",
     also_remat: tuple[str, ...] = (),
     no_cast: bool = False,
+    unfused_update: bool = False,
 ) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
@@ -254,4 +263,5 @@ def quick(
         remat_policy=remat_policy,
         also_remat=also_remat,
         no_cast=no_cast,
+        unfused_update=unfused_update,
     )

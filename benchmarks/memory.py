@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimlayers import faults, ops
+from pimlayers._native import has_native
 from pimlayers.memory import BankGeometry, PimStore, PimTiming
 
 from ._harness import carried_time, device_time, fold_firsts, time_fn
@@ -443,6 +444,82 @@ def run_shard(layers: int | None = None, dims=None) -> list[dict]:
     if not all(checks.values()) or compiles != 1:
         raise AssertionError(f"shard loss: {checks}, {compiles} compiled rebuild programs")
     assert int(store.scrub(holder["p"], holder["s"]).report.banks_faulty) == 0
+    return rows
+
+
+def run_update(layers: int = 4, dims=(DIM, FFN, KV)) -> list[dict]:
+    """AdamW's step over float32 weights, then the encode of the result, against AdamW's step alone
+    (the unprotected step's update) and the step fused with the encode (`optim.adamw_guarded`'s
+    ``update_and_guard``: on CUDA one kernel). Gradients in bfloat16, as a step multiplying by the
+    scrub's bf16 copies has them; the unfused steps widen them first, as the training step does.
+    Each is a loop of steps carrying (and donating) the parameters and the optimizer's state, as
+    training does. The fused step is checked against the unfused one before timing: parameters
+    and moments within 16 float32 epsilons of the magnitudes each sums (XLA's arithmetic is not
+    rounded per operation as the kernel's is: tests/test_gpu_adam_guard.py), counters equal, and
+    its protection data equal to an encode of its own result."""
+    import optax
+
+    from pimlayers.ops._adam_guard import _scales
+    from pimlayers.optim import adamw_guarded
+
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), _params(layers, dims))
+    grads = jax.tree.map(lambda p: (1e-3 * jnp.sin(p * 1e3)).astype(jnp.bfloat16), params)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    opt = adamw_guarded(optax.constant_schedule(1e-4), weight_decay=0.1, clip=1.0)
+    store = PimStore(params, BankGeometry())
+    state = opt.init(params)
+    wide = lambda g: jax.tree.map(lambda x: x.astype(jnp.float32), g)
+
+    # The gradients ride in the loop's carry: a closed-over array would be a constant of the
+    # program, which XLA then folds (its finiteness check over 1.75 GB ran for minutes).
+    def plain(c):
+        u, st = opt.update(wide(c[-1]), c[1], c[0])
+        return optax.apply_updates(c[0], u), st, c[-1]
+
+    def unfused(c):
+        new, st, g = plain((c[0], c[1], c[3]))
+        return new, st, c[2] ^ fold_firsts(store.encode(new)), g
+
+    def fused(c):
+        new, st, pim = opt.update_and_guard(c[3], c[1], c[0], store)
+        return new, st, c[2] ^ fold_firsts(pim), c[3]
+
+    # Checked before timing: one step each from the same start.
+    first = jax.jit(lambda p, s, g: opt.update_and_guard(g, s, p, store))
+    a = jax.jit(plain)((params, state, grads))[:2]
+    b = first(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state), grads)
+    adam = lambda st: next(s for s in jax.tree.leaves(st, is_leaf=is_adam) if is_adam(s))
+    h = opt.hyper(grads, state)[0]
+    leaves = [jax.tree.leaves(t) for t in (params, grads, adam(state).mu, adam(state).nu)]
+    ok = jax.jit(lambda u, w, s: jnp.all(jnp.abs(u - w) <= 16 * np.finfo(np.float32).eps * s))
+    pairs = ((a[0], b[0]), (adam(a[1]).mu, adam(b[1]).mu), (adam(a[1]).nu, adam(b[1]).nu))
+    for t, (x, y) in enumerate(pairs):
+        for i, (u, w) in enumerate(zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True)):
+            scale = _scales(*(leaf[i] for leaf in leaves), h)[t]
+            if not ok(u, w, scale):
+                raise AssertionError(f"the fused AdamW step differs from optax's in leaf {i} ({'pmv'[t]})")
+    for x, y in ((a[1].total_steps, b[1].total_steps), (adam(a[1]).count, adam(b[1]).count)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(b[2]), jax.tree.leaves(store.encode(b[0])), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    del a, b
+
+    # Bytes: p, m, v read and written, g (bf16) read; the encode reads p again and writes parity.
+    moved = n * (12 + 12 + 2)
+    parity = store.overhead()["parity_bytes"]
+    t_plain = carried_time(plain, (params, state, grads))
+    rows = [dict(op="AdamW step (optax)", params=n, gbytes=moved / 1e9, ms=t_plain * 1e3,
+                 gbs=moved / t_plain / 1e9)]  # fmt: skip
+    native = "kernel" if jax.default_backend() == "gpu" and has_native("cuda") else "reference"
+    for op, fn, nbytes in (
+        ("AdamW step, then encode", unfused, moved + 4 * n + parity),
+        (f"AdamW step fused with the encode ({native})", fused, moved + parity),
+    ):
+        t = carried_time(fn, (params, state, jnp.uint32(0), grads))
+        rows.append(dict(op=op, params=n, gbytes=nbytes / 1e9, ms=t * 1e3, gbs=nbytes / t / 1e9,
+                         peer_ms=t_plain * 1e3, extra_ms=(t - t_plain) * 1e3))  # fmt: skip
     return rows
 
 

@@ -67,7 +67,6 @@ except ImportError:
     backends_are_initialized = lambda: False
 
 from models.llama3 import REMAT_POLICIES
-from train.llama3 import TrainConfig, train
 
 from ._harness import write_result
 
@@ -783,6 +782,11 @@ def main() -> None:
         help="train's --no-cast-on-scrub: each layer casts its kernels (no compute copies from the scrub)",
     )
     ap.add_argument(
+        "--no-fused-update",
+        action="store_true",
+        help="train's --no-fused-update: AdamW's step, then the parameters' encode",
+    )
+    ap.add_argument(
         "--flash",
         default="auto",
         choices=["auto", "on", "off"],
@@ -865,7 +869,12 @@ def main() -> None:
         recompute_blocks=args.redo_blocks, devices=n, eval_every=10**9, eval_windows=n, warmup=1,
         protect=args.protect, fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0,
         nan_rate=0.0, quiet=True, cast_on_scrub=not args.no_cast_on_scrub,
+        fused_update=not args.no_fused_update,
     )  # fmt: skip
+    # Here, not at the module's top: benchmarks.rev_ab imports this module's trace readers beside
+    # an older revision's pimlayers, which the working tree's training script may not import with.
+    from train.llama3 import TrainConfig, train
+
     # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
     # so both traced runs compile it again and the difference cancels that.
     train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))

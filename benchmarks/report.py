@@ -181,6 +181,17 @@ of consecutive executions) and how much of it other programs' kernels and copies
 `--save`, newer runs also write `profile-gaps`: the largest of those gaps inside the step's program,
 each named by the kernels that ended before it and started after it, in ms and gaps per execution.
 
+Reading the update table: `python -m benchmarks.run --suite update --layers N` runs AdamW's step
+over N Llama-3-8B decoder layers' float32 weights (bf16 gradients, as the training step's scrub
+copies give them; global-norm clipping, decoupled weight decay), as a jitted loop of steps carrying
+the parameters and the optimizer's state: optax's step alone (the unprotected step's update), then
+an encode of the result (`PimStore.encode`: the training step's encode on write until 2026-12-06),
+and the two fused (`optim.adamw_guarded(...).update_and_guard`: on a GPU one kernel,
+`ops.adamw_guard_many`; "reference" where XLA's update runs, then the encode). `ms` is device time
+per step, `extra_ms` over the step alone; `gbytes` what each moves (parameters, moments and parity
+written, gradients read; the unfused encode reads the parameters again). Before timing the suite
+checks the fused step against the unfused one.
+
 Reading the finish table: `python -m benchmarks.run --suite finish` times `abft_finish` alone (in
 place, carried through a jitted loop as the training step runs it) at every product a Llama-3-8B
 layer's protected GEMMs check: the forward's y (M x N), the backward's dx (M x K) and dw (K x N,

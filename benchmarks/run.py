@@ -22,6 +22,7 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --also-remat gemms_
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite fused-tiling            # Hopper: the fused GEMM's tilings vs XLA's GEMM
 python -m benchmarks.run --suite encode                  # the weight encodes' rates (pair, rows, transposed)
+python -m benchmarks.run --suite update --layers 4       # AdamW's step + encode, fused and not, vs the step
 python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
 python -m benchmarks.run --suite bounds                  # the verified flash attention's XLA-side bounds
 python -m benchmarks.run --suite checks                  # the GEMM checks: XLA's against the kernel's grids
@@ -79,6 +80,7 @@ def main() -> None:
         "checks",
         "abft",
         "memory",
+        "update",
         "pim",
         "shard",
         "routing",
@@ -105,6 +107,11 @@ def main() -> None:
         "--no-cast",
         action="store_true",
         help="llama3: also protected with each layer casting its kernels (no compute copies from the scrub)",
+    )
+    ap.add_argument(
+        "--unfused-update",
+        action="store_true",
+        help="llama3: also protected with AdamW's step, then the encode (train's --no-fused-update)",
     )
     ap.add_argument(
         "--redo-blocks",
@@ -199,6 +206,7 @@ def main() -> None:
         ("checks", lambda: checks.run(m=args.m)),
         ("abft", abft_campaign.run),
         ("memory", memory.run_store),
+        ("update", lambda: memory.run_update(layers=args.layers)),
         ("pim", memory.run_pim),
         ("shard", memory.run_shard),
         ("routing", routing.run_local),
@@ -222,6 +230,7 @@ def main() -> None:
                 plain_checks=args.plain_checks,
                 also_remat=also_remat,
                 no_cast=args.no_cast,
+                unfused_update=args.unfused_update,
             ),
         ),
     ):

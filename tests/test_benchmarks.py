@@ -59,6 +59,20 @@ def test_memory_suite_quick_runs_and_repairs():
     assert any(op.startswith("gemv") for op in rows)
 
 
+def test_update_suite_checks_the_fused_step_then_times_all_three():
+    from benchmarks import memory
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
+        rows = memory.run_update(layers=1, dims=(128, 256, 32))
+    assert [r["op"] for r in rows] == [
+        "AdamW step (optax)",
+        "AdamW step, then encode",
+        "AdamW step fused with the encode (reference)",  # a CPU: XLA's update, then the guard
+    ]
+    assert all(r["ms"] > 0 and r["params"] == rows[0]["params"] for r in rows)
+    assert rows[1]["gbytes"] > rows[2]["gbytes"] > rows[0]["gbytes"]  # the encode's read, its parity
+
+
 def test_memory_dev_columns_name_the_kernels_and_the_main_kernels_rate(monkeypatch):
     """The device branch of the memory suite's kernel columns (a GPU's trace), fed a fake trace."""
     import collections
@@ -449,6 +463,7 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
             remat_policy="gemms",
             also_remat=("gemms_weights",),
             no_cast=True,
+            unfused_update=True,
         )
     # --also-remat: the peer and the default protected step again, keeping the cast kernels; in f32
     # there is no cast, so the same training to the last bit, each judged against its own peer.
@@ -465,7 +480,15 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     layers_cast = [r for r in got if r["weights"] == "cast by each layer"]
     got = [r for r in got if r["weights"] != "cast by each layer"]
     assert len(layers_cast) == 1 and all(r["weights"] == "scrub's bf16 copy" for r in got if r["protect"])
+    # --unfused-update: the default protected step with AdamW's step, then the encode (the default
+    # fuses them), labelled apart; the same faults repaired and a loss to an ulp's drift of the default's.
+    upd = [r for r in got if r["update"] == "then encode"]
+    got = [r for r in got if r["update"] != "then encode"]
+    assert len(upd) == 1 and all(r["update"] == "fused with the encode" for r in got if r["protect"])
     rows = {(r["protect"], r["attention"], r["recompute"]): r for r in got}
+    default = rows[True, "materialised, verified", "whole GEMM"]
+    assert upd[0]["banks_repaired"] == default["banks_repaired"] > 0 and upd[0]["uncorrectable"] == 0
+    assert abs(upd[0]["final_loss"] - default["final_loss"]) < 1e-5 * abs(default["final_loss"])
     assert layers_cast[0]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]
     assert all(r["program_gb"] > 0 for r in got)
     assert extra[1]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]

@@ -202,3 +202,19 @@ def test_casting_on_the_scrub_trains_as_the_layers_casting(tmp_path):
     # process's peak; the copies add the kernels' bf16 bytes at most.
     kernels = sum(x.size * 2 for x in jax.tree.leaves(b["params_final"]) if x.ndim == 2)
     assert a["step_program_bytes"] > 0 and b["step_program_bytes"] <= a["step_program_bytes"] + kernels
+
+
+@pytest.mark.slow
+def test_fused_update_trains_as_optax_then_encode(tmp_path):
+    """``--fused-update`` (the default): AdamW's step and the encode in one pass
+    (PimStore.adamw_update), the bf16 copies' gradients read as they are; the same run as optax's
+    step and the store's encode (``--no-fused-update``), with flips repaired and NaN bursts skipped
+    (to an ulp where XLA contracts a multiply-add differently in the two programs)."""
+    kw = dict(steps=6, layers=1, devices=1, dtype="bfloat16", flips=2, flip_every=2, nan_rate=0.3,
+              gemm_fault_rate=0.0, seed=5)  # fmt: skip
+    a, b = (T.train(_cfg(tmp_path / str(f), fused_update=f, **kw)) for f in (False, True))
+    assert a["memory"] == b["memory"] and b["memory"]["banks_repaired"] == b["injected"]["flips"] > 0
+    assert a["injected"] == b["injected"] and b["injected"]["skipped"] > 0
+    for x, y in zip(jax.tree.leaves(a["params_final"]), jax.tree.leaves(b["params_final"]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose([c[1] for c in a["curve"]], [c[1] for c in b["curve"]], rtol=1e-4)
