@@ -331,6 +331,46 @@ r = out.report
 print(f"faulty {int(r.banks_faulty)}, repaired {int(r.banks_repaired)}, "
       f"uncorrectable {int(r.banks_uncorrectable)}")""",
     ),
+    (
+        "md",
+        """## Encode on write, inside the optimizer's step
+
+Every optimizer step writes every parameter, and the new values need their checksums and parity
+before anything reads them. `pimlayers.optim.adamw_guarded` is optax's AdamW (clipped, under the
+fault-aware skip) whose `update_and_guard` takes the step and the store's encode in one pass: on a GPU
+the update's own kernel forms the checksums and parity from the values it writes, instead of reading
+all the parameters again. Here (a CPU) the same function runs XLA's update, then the encode; either
+way the result is optax's step, and the protection data is that of the parameters just written.""",
+    ),
+    (
+        "code",
+        """import optax
+from pimlayers.optim import adamw_guarded
+
+# Start again from the clean parameters (the last cell left two uncorrectable faults in place).
+params = jax.tree_util.tree_unflatten(jax.tree.structure(params), [jnp.asarray(c) for c in clean])
+state = store.encode(params)
+opt = adamw_guarded(1e-3, weight_decay=0.1, clip=1.0)
+opt_state = opt.init(params)
+grads = jax.tree.map(lambda p: 0.01 * jnp.sin(3.0 * p), params)
+
+fused = jax.jit(lambda p, s, g: opt.update_and_guard(g, s, p, store))
+def unfused(p, s, g):  # optax's step, then the encode
+    u, s2 = opt.update(g, s, p)
+    p2 = optax.apply_updates(p, u)
+    return p2, s2, store.encode(p2)
+
+a = jax.jit(unfused)(params, opt_state, grads)
+params, opt_state, state = fused(params, opt_state, grads)
+ulps = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)) / np.spacing(np.abs(np.asarray(y)))))
+           for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(params)))
+print(f"parameters against optax's step: at most {ulps:.0f} ulp apart")
+print("after the step:", store.scrub(params, state).report.summary())
+flips = faults.random_bit_flips(store, params, 5, seed=1)
+out = store.repair(params, state)
+params, state = out.params, out.state
+print("5 flips after the step:", out.report.summary())""",
+    ),
 ]
 
 TRAIN = [
