@@ -237,6 +237,7 @@ class GuardedAdamW:
     clip: float | None
     skip_on_uncorrectable: bool
     max_consecutive_skips: int | None
+    mask: Any = None  # optax's weight-decay mask: a pytree of bools like the params, or a callable
 
     def init(self, params: optax.Params) -> FaultAwareState:
         return self.tx.init(params)
@@ -299,7 +300,8 @@ class GuardedAdamW:
         (read as float32, exactly)."""
         h, skip, reason = self.hyper(grads, state, report)
         adam = _one(state.inner_state, optax.ScaleByAdamState)
-        new_params, mu, nu, pim = store.adamw_update(params, grads, adam.mu, adam.nu, h)
+        decay = self.mask(params) if callable(self.mask) else self.mask
+        new_params, mu, nu, pim = store.adamw_update(params, grads, adam.mu, adam.nu, h, decay=decay)
         # The moments come back selected (kept on a skipped step); the counters as fault_aware's.
         count = jnp.where(skip, adam.count, optax.safe_increment(adam.count))
         inner = _replace(state.inner_state, optax.ScaleByAdamState, optax.ScaleByAdamState(count, mu, nu))
@@ -325,6 +327,7 @@ def adamw_guarded(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     weight_decay: float = 1e-4,
+    mask: Any = None,
     clip: float | None = None,
     max_consecutive_skips: int | None = None,
     policy: FaultPolicy | None = None,
@@ -332,7 +335,9 @@ def adamw_guarded(
     """``fault_aware(chain(clip_by_global_norm(clip), adamw(...)))`` with a step fused with the encode.
 
     The arguments are optax's (``optax.adamw``: ``learning_rate`` a float or a schedule of the
-    step count; decoupled weight decay on every leaf; ``clip`` the global norm, None for none) and
+    step count; decoupled weight decay on the leaves ``mask`` selects, all of them with None: a
+    pytree of Python bools like the params, or a callable of the params giving one, as optax's;
+    ``clip`` the global norm, None for none) and
     `fault_aware`'s. ``update_and_guard(grads, state, params, store)`` then takes the step and
     encodes its result for a `pimlayers.PimStore` in one pass over the parameters: on a GPU the
     update's own kernel forms the checksums and parity (``pimlayers.ops.adamw_guard_many``), so the
@@ -343,11 +348,13 @@ def adamw_guarded(
             raise ValueError(f"adamw_guarded: {name}={v}; expected 0 <= {name} < 1")
     if clip is not None and not float(clip) > 0.0:
         raise ValueError(f"adamw_guarded: clip={clip}; expected a positive global norm or None")
-    inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+    inner = optax.adamw(
+        learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay, mask=mask
+    )
     if clip is not None:
         inner = optax.chain(optax.clip_by_global_norm(clip), inner)
     tx = fault_aware(inner, max_consecutive_skips=max_consecutive_skips, policy=policy)
     skip_on = (policy or FaultPolicy()).skip_on_uncorrectable
     return GuardedAdamW(
-        tx, learning_rate, b1, b2, eps, eps_root, weight_decay, clip, skip_on, max_consecutive_skips
+        tx, learning_rate, b1, b2, eps, eps_root, weight_decay, clip, skip_on, max_consecutive_skips, mask
     )

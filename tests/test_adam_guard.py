@@ -116,6 +116,29 @@ def test_skipped_steps_keep_everything_and_compile_once():
     assert programs[1] == programs[4]
 
 
+@pytest.mark.parametrize("kind", ["callable", "tree"])
+def test_weight_decay_mask_decays_only_the_leaves_it_selects(kind):
+    """optax's ``mask``: matrices decayed, vectors not (a callable of the params or a pytree of
+    bools); the store runs the two sets as two calls, the undecayed with wd = 0."""
+    params = _params(4)
+    rule = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    mask = rule if kind == "callable" else rule(params)
+    opt = adamw_guarded(1e-2, weight_decay=0.5, mask=mask, clip=1.0)
+    store = PimStore(params, BankGeometry())
+    _steps(opt, store, params, lambda i: _grads(params, 0.1), 3)
+    # The mask matters: without it the vectors decay too and come out elsewhere.
+    state = opt.init(params)
+    g = _grads(params, 0.1)
+    masked = jax.jit(lambda p, s: opt.update_and_guard(g, s, p, store))(params, state)[0]
+    every = adamw_guarded(1e-2, weight_decay=0.5, clip=1.0)
+    plain = jax.jit(lambda p, s: every.update_and_guard(g, s, p, store))(params, every.init(params))[0]
+    assert np.array_equal(np.asarray(masked["w"]), np.asarray(plain["w"]))
+    assert not np.array_equal(np.asarray(masked["b"]), np.asarray(plain["b"]))
+    with pytest.raises(TypeError, match=r"decay for \['b'\] is .*Array.*; expected a Python bool"):
+        store.adamw_update(params, g, params, params, opt.hyper(g, state)[0],
+                           decay=jax.tree.map(jnp.asarray, rule(params)))  # fmt: skip
+
+
 def test_bfloat16_gradients_are_widened_exactly():
     params = _params(2)
     opt = adamw_guarded(optax.constant_schedule(3e-3), clip=1.0)

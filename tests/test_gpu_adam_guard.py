@@ -107,3 +107,57 @@ def test_in_place_when_donated(gpu):
     assert [x.unsafe_buffer_pointer() for x in got[0]] == ptrs
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _is_adam(x):
+    import optax
+
+    return isinstance(x, optax.ScaleByAdamState)
+
+
+def _store_step_against_optax(dev):
+    """A masked, clipped AdamW step through PimStore.adamw_update (the kernel on a GPU) against
+    optax's step then the store's encode: within _EPS of the magnitudes, the protection data that of
+    the returned parameters."""
+    import optax
+
+    from pimlayers.memory import BankGeometry, PimStore
+    from pimlayers.ops._adam_guard import AdamHyper
+    from pimlayers.optim import adamw_guarded
+
+    rng = np.random.default_rng(5)
+    params = {n: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32), dev)
+              for n, s in (("w", (256, 384)), ("b", (1000,)), ("s", (3,)))}  # fmt: skip
+    grads = jax.tree.map(lambda p: (0.3 * jnp.sin(5.0 * p)).astype(jnp.bfloat16), params)
+    opt = adamw_guarded(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 1, 5), weight_decay=0.1, clip=1.0,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+    )  # fmt: skip
+    store = PimStore(params, BankGeometry())
+    state = opt.init(params)
+    wide = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    for _ in range(2):  # the second step from the first's moments
+        u, ref_state = jax.jit(opt.update)(wide, state, params)
+        ref = optax.apply_updates(params, u)
+        h = opt.hyper(grads, state)[0]
+        new, new_state, pim = jax.jit(lambda p, s, g: opt.update_and_guard(g, s, p, store))(
+            jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state), grads
+        )
+        adam = lambda s: next(x for x in jax.tree.leaves(s, is_leaf=_is_adam) if _is_adam(x))
+        for k in params:
+            decayed = params[k].ndim >= 2
+            hk = h if decayed else AdamHyper(*h)._replace(wd=jnp.float32(0))
+            sp, sm, sv = _scales(params[k], grads[k], adam(state).mu[k], adam(state).nu[k], hk)
+            for got, want, scale in ((new[k], ref[k], sp), (adam(new_state).mu[k], adam(ref_state).mu[k], sm),
+                                     (adam(new_state).nu[k], adam(ref_state).nu[k], sv)):  # fmt: skip
+                err = np.abs(np.asarray(got) - np.asarray(want))
+                assert np.all(err <= _EPS * np.asarray(scale)), (k, float(np.max(err / np.asarray(scale))))
+        for x, y in zip(jax.tree.leaves(pim), jax.tree.leaves(store.encode(new)), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert int(adam(new_state).count) == int(adam(ref_state).count)
+        params, state = new, new_state
+
+
+def test_store_step_with_a_mask_against_optax(gpu):
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix Python floats and int32 steps
+        _store_step_against_optax(gpu)

@@ -242,13 +242,15 @@ class PimStore:
         new = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         return new, self.encode(new)
 
-    def adamw_update(self, params, grads, mu, nu, hyper) -> tuple[Any, Any, Any, PimState]:
+    def adamw_update(self, params, grads, mu, nu, hyper, *, decay=None) -> tuple[Any, Any, Any, PimState]:
         """AdamW's update and the encode of its result in one pass (``ops.adamw_guard_many``):
         ``(params', mu', nu', state)``. ``grads``, ``mu`` and ``nu`` are pytrees like ``params``
         (float32 moments; float32 or bfloat16 gradients), ``hyper`` an ``ops.AdamHyper``; the
         scalars and the moments usually come from ``pimlayers.optim.adamw_guarded``, which keeps
-        them in optax's state. Every leaf must be float32."""
+        them in optax's state. Every leaf must be float32. ``decay``: a pytree like ``params`` of
+        Python bools, the leaves weight decay applies to (optax's ``mask``); None: every leaf."""
         params = self._check(params)
+        flags = self._check_decay(decay)
         for name, t in (("grads", grads), ("mu", mu), ("nu", nu)):
             treedef = jax.tree_util.tree_structure(t)
             if treedef != self.treedef:
@@ -259,7 +261,9 @@ class PimStore:
                 f"pimlayers.PimStore.adamw_update: leaves {', '.join(wide)} are not float32; "
                 "AdamW's fused update takes float32 parameters"
             )
-        return self._adamw(params, grads, mu, nu, hyper)
+        if flags not in self._adamw:
+            self._adamw[flags] = self._build_adamw(flags)
+        return self._adamw[flags](params, grads, mu, nu, hyper)
 
     def faulty_banks(self, result: ScrubResult | RepairResult) -> list[BankAddress]:
         """Host side: every (device, physical bank) with at least one faulty stripe or parity block."""
@@ -299,6 +303,20 @@ class PimStore:
             except TypeError as e:
                 raise TypeError(f"pimlayers.PimStore: cast for {lf.path} is {d!r}; expected a dtype") from e
         return tuple(out)
+
+    def _check_decay(self, decay) -> tuple[bool, ...]:
+        if decay is None:
+            return (True,) * len(self._leaves)
+        flat, treedef = jax.tree_util.tree_flatten(decay)
+        if treedef != self.treedef:
+            raise _bad(f"decay has structure {treedef}; expected one bool per parameter, as {self.treedef}")
+        for lf, d in zip(self._leaves, flat, strict=True):
+            if not isinstance(d, (bool, np.bool_)):
+                raise TypeError(
+                    f"pimlayers.PimStore.adamw_update: decay for {lf.path} is {type(d).__name__}; "
+                    "expected a Python bool (which leaves decay is part of the program)"
+                )
+        return tuple(bool(d) for d in flat)
 
     def _check(self, params):
         flat, treedef = jax.tree_util.tree_flatten(params)
@@ -408,17 +426,25 @@ class PimStore:
             out = jax.tree_util.tree_unflatten(self.treedef, new_leaves), new_state, found, report
             return out if cast is None else (*out, jax.tree_util.tree_unflatten(self.treedef, new_casts))
 
-        def adamw(params, grads, mu, nu, hyper):
-            leaves = jax.tree.leaves(params)
-            ps, ms, vs, guards = ops.adamw_guard_many(
-                leaves,
-                jax.tree.leaves(grads),
-                jax.tree.leaves(mu),
-                jax.tree.leaves(nu),
-                hyper,
-                bank_bytes=geo.stripe_bytes,
-                group=geo.group,
-            )
+        def adamw(params, grads, mu, nu, hyper, decay):
+            # One call for the decayed leaves and one with no decay for the rest (wd = 0: u + 0 p is
+            # u for a finite p), each one kernel launch on a GPU.
+            operands = [jax.tree.leaves(t) for t in (params, grads, mu, nu)]
+            out = [None] * len(operands[0])
+            for on in (True, False):
+                idx = [i for i, d in enumerate(decay) if d == on]
+                if not idx:
+                    continue
+                h = hyper if on else hyper._replace(wd=jnp.zeros_like(hyper.wd))
+                res = ops.adamw_guard_many(
+                    *([t[i] for i in idx] for t in operands),
+                    h,
+                    bank_bytes=geo.stripe_bytes,
+                    group=geo.group,
+                )
+                for k, i in enumerate(idx):
+                    out[i] = (res[0][k], res[1][k], res[2][k], res[3][k])
+            ps, ms, vs, guards = (tuple(o[j] for o in out) for j in range(4))
             guards = tuple(_local.LeafGuard(*g) for g in guards)
             if a < 2:
                 xs = tuple(jnp.zeros((0,), jnp.uint8) for _ in ps)
@@ -445,12 +471,10 @@ class PimStore:
         scr = self._map(scrub, (pspecs, sspec), scrub_spec)
         rep = self._map(repair, (pspecs, sspec), (pspecs, sspec, scrub_spec, rspec))
         reb = self._map(rebuild, (pspecs, sspec, P()), (pspecs, sspec, rspec))
-        adw = self._map(adamw, (pspecs, pspecs, pspecs, pspecs, P()), (pspecs, pspecs, pspecs, sspec))
         self._encode = jax.jit(enc)
         self._scrub = jax.jit(scr)
         self._repair = jax.jit(lambda p, s: RepairResult(*rep(p, s)), donate_argnums=(0, 1))
         self._rebuild = jax.jit(reb, donate_argnums=(0, 1))
-        self._adamw = jax.jit(adw, donate_argnums=(0, 2, 3))
 
         def build_repair(dtypes):  # repair with casts: one program per tuple of dtypes
             rep_cast = self._map(
@@ -461,6 +485,16 @@ class PimStore:
             return jax.jit(lambda p, s: RepairResult(*rep_cast(p, s)), donate_argnums=(0, 1))
 
         self._build_repair, self._repair_cast = build_repair, {}
+
+        def build_adamw(decay):  # one program per tuple of decay flags
+            fn = self._map(
+                functools.partial(adamw, decay=decay),
+                (pspecs, pspecs, pspecs, pspecs, P()),
+                (pspecs, pspecs, pspecs, sspec),
+            )
+            return jax.jit(fn, donate_argnums=(0, 2, 3))
+
+        self._build_adamw, self._adamw = build_adamw, {}
 
     def compiled(self, params, state: PimState) -> dict[str, Any]:
         """The compiled encode, scrub, repair and rebuild_shard programs for these arguments (for

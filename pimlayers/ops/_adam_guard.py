@@ -61,7 +61,7 @@ class AdamHyper(NamedTuple):
     bc2: jax.Array  # 1 - b2^t
     eps: jax.Array
     eps_root: jax.Array
-    wd: jax.Array  # weight decay (decoupled, on every leaf)
+    wd: jax.Array  # weight decay (decoupled, on every leaf of the call: PimStore splits a mask in two)
     step: jax.Array  # -learning_rate(count): the signed step size
     skip: jax.Array  # 1: the step is skipped (updates zero, moments kept)
 
