@@ -4,9 +4,9 @@ On a CPU the op is its reference (the update in XLA, then bank_guard_many), and 
 must be optax's step followed by the store's encode: parameters and moments to the last bit or
 within an ulp (where XLA contracts a multiply-add in one program and not the other), counters
 exactly, and protection data exactly that of the parameters the step returns; clipped or not,
-skipped or not, with a schedule or a constant rate. A skipped step
-and a clean one run one program. Bad input is refused with the argument named. The CUDA kernel is
-compared with this reference in tests/test_gpu_adam_guard.py."""
+skipped or not, with a schedule or a constant rate, with a weight-decay mask or without. A skipped
+step and a clean one run one program. Bad input is refused with the argument named. The CUDA
+kernel is compared with this reference in tests/test_gpu_adam_guard.py."""
 
 from __future__ import annotations
 
