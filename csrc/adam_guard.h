@@ -1,5 +1,6 @@
 // adamw_guard_many: AdamW's update of many float32 leaves and bank_guard_many of the updated
-// parameters, in one read of each leaf (encode on write, fused into the write).
+// parameters, in one read of each leaf (encode on write, fused into the write). The CUDA handler
+// (guard.cu) and the CPU one (guard.cc) share these checks and this arithmetic.
 //
 //   adamw_guard_many(p_i, g_i, m_i, v_i for each i; hyper) -> (p'_i, m'_i, v'_i, sums_i, parity_i,
 //     psums_i) for each i. p, m, v float32; g float32 or bfloat16, of p's shape; p', m', v' in
@@ -55,12 +56,20 @@ inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
   return true;
 }
 
-// The operands, results and attributes of one call, checked; `leaves` carry the guard's geometry
-// and outputs, `adam` the update's arrays, `hyper` the scalars' device address.
+// One call's operands and results: `leaves` carry the guard's geometry and outputs, `adam` the
+// update's arrays, `hyper` the scalars' address (device memory on a GPU).
+struct AdamCall {
+  std::vector<ManyLeaf> leaves;
+  std::vector<AdamLeaf> adam;
+  const float* hyper = nullptr;
+};
+
+// The operands, results and attributes of one call, checked.
 inline ffi::Error CollectAdamGuardMany(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                       int64_t bank_bytes, int64_t group,
-                                       std::vector<ManyLeaf>* leaves, std::vector<AdamLeaf>* adam,
-                                       const float** hyper) {
+                                       int64_t bank_bytes, int64_t group, AdamCall* call) {
+  std::vector<ManyLeaf>* leaves = &call->leaves;
+  std::vector<AdamLeaf>* adam = &call->adam;
+  const float** hyper = &call->hyper;
   static const std::string op = "adamw_guard_many";
   if (auto e = CheckManyAttrs(op, bank_bytes, group); e.failure()) return e;
   if (args.size() % 4 != 1) {

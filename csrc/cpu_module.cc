@@ -9,6 +9,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PlParityCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankGuardManyCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlBankVerifyManyCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAdamwGuardManyCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlReconstructCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftCheckCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PlAbftFinishCpu);
@@ -34,6 +35,7 @@ PYBIND11_MODULE(_pimlayers_cpu, m) {
     d["pimlayers_bank_guard"] = Capsule(PlBankGuardCpu);
     d["pimlayers_bank_guard_many"] = Capsule(PlBankGuardManyCpu);
     d["pimlayers_bank_verify_many"] = Capsule(PlBankVerifyManyCpu);
+    d["pimlayers_adamw_guard_many"] = Capsule(PlAdamwGuardManyCpu);
     d["pimlayers_abft_check"] = Capsule(PlAbftCheckCpu);
     d["pimlayers_abft_finish"] = Capsule(PlAbftFinishCpu);
     d["pimlayers_abft_encode"] = Capsule(PlAbftEncodeCpu);

@@ -1,9 +1,11 @@
-// CPU handlers of bank_guard, bank_guard_many and bank_verify_many. bank_guard: per parity group,
-// each member bank is read once, in blocks that stay in L1, for its XOR into the group's parity row
-// and its checksum; then the parity row's checksum.
-#include "guard_many.h"
-
+// CPU handlers of bank_guard, bank_guard_many, bank_verify_many and adamw_guard_many. bank_guard:
+// per parity group, each member bank is read once, in blocks that stay in L1, for its XOR into the
+// group's parity row and its checksum; then the parity row's checksum.
+#include <cmath>
 #include <cstring>
+
+#include "adam_guard.h"
+#include "guard_many.h"
 
 namespace pimlayers {
 namespace {
@@ -131,6 +133,62 @@ ffi::Error VerifyManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t gr
   return ffi::Error::Success();
 }
 
+// AdamW on one float32 value with the CUDA kernel's arithmetic (csrc/guard.cu::AdamOne): each
+// operation rounded on its own, the divisions by a scalar as products by its reciprocal. Not
+// contracted into FMAs: the module is built for baseline x86-64 (no FMA instruction to contract
+// into), and GCC is told so for this function should it be built for a newer ISA.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+float AdamOneCpu(const AdamHyper& H, float clip, float rbc1, float rbc2, float p, float g, float* m,
+                 float* v) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const float gg = H.trigger != 0.f ? g : g * clip;
+  const float m1 = H.one_minus_b1 * gg + H.b1 * *m;
+  const float v1 = H.one_minus_b2 * (gg * gg) + H.b2 * *v;
+  float u = (m1 * rbc1) / (std::sqrt(v1 * rbc2 + H.eps_root) + H.eps);
+  u = H.step * (u + H.wd * p);
+  if (H.skip != 0.f) return p + 0.f;  // p + 0, as apply_updates adds a skipped step's zeros
+  *m = m1, *v = v1;
+  return p + u;
+}
+
+// The kernel's twin on the CPU (the training step's default there is XLA's update, then
+// bank_guard_many: optax's arithmetic; this one is reached with impl="native"): each leaf updated
+// value by value, then guarded from the values written.
+ffi::Error AdamGuardManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
+                            ffi::RemainingRets rets) {
+  AdamCall C;
+  if (auto e = CollectAdamGuardMany(args, rets, bank_bytes, group, &C); e.failure()) return e;
+  const std::vector<ManyLeaf>& leaves = C.leaves;
+  const std::vector<AdamLeaf>& adam = C.adam;
+  AdamHyper H;
+  std::memcpy(&H, C.hyper, sizeof(H));
+  const float clip = H.max_norm / H.norm, rbc1 = 1.f / H.bc1, rbc2 = 1.f / H.bc2;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    const ManyLeaf& L = leaves[i];
+    const AdamLeaf& A = adam[i];
+    const int64_t n = L.bytes / 4;
+    for (int64_t e = 0; e < n; ++e) {
+      float g;
+      if (A.g_bf16) {
+        const uint32_t bits = uint32_t{static_cast<const uint16_t*>(A.g)[e]} << 16;
+        std::memcpy(&g, &bits, 4);
+      } else {
+        g = static_cast<const float*>(A.g)[e];
+      }
+      float m = A.m[e], v = A.v[e];
+      A.p_out[e] = AdamOneCpu(H, clip, rbc1, rbc2, A.p[e], g, &m, &v);
+      A.m_out[e] = m, A.v_out[e] = v;
+    }
+    GuardOne(reinterpret_cast<const uint8_t*>(A.p_out), L.bytes, L.nbanks, L.ngroups, bank_bytes,
+             group, L.sums, L.parity, L.psums);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pimlayers
 
@@ -157,3 +215,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PlBankVerifyManyCpu, pimlayers::VerifyManyCpu,
                                   .Attr<int64_t>("group")
                                   .Attr<xla::ffi::Span<const int64_t>>("casts")  // 0/1 per array
                                   .RemainingRets());  // now_i, bad_i, bad_par_i; count; casts
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PlAdamwGuardManyCpu, pimlayers::AdamGuardManyCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()  // p_i, g_i, m_i, v_i; the scalars
+                                  .Attr<int64_t>("bank_bytes")
+                                  .Attr<int64_t>("group")
+                                  .RemainingRets());  // p_i, m_i, v_i, sums_i, parity_i, psums_i

@@ -792,13 +792,8 @@ ffi::Error AdamGuardManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              ffi::RemainingArgs args, int64_t bank_bytes, int64_t group,
                              ffi::RemainingRets rets) {
   const char* op = "adamw_guard_many";
-  std::vector<ManyLeaf> leaves;
-  std::vector<AdamLeaf> adam;
-  const float* hyper = nullptr;
-  if (auto e = CollectAdamGuardMany(args, rets, bank_bytes, group, &leaves, &adam, &hyper);
-      e.failure()) {
-    return e;
-  }
+  AdamCall C;
+  if (auto e = CollectAdamGuardMany(args, rets, bank_bytes, group, &C); e.failure()) return e;
   if (bank_bytes > 16 * kManyThreads || group > kBatch) {
     return BadArg(
         op, "bank_bytes=" + std::to_string(bank_bytes) + ", group=" + std::to_string(group) +
@@ -807,10 +802,12 @@ ffi::Error AdamGuardManyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
   }
   ManyTable T;
   int64_t units = 0;
-  if (auto e = UploadTable(op, leaves, &adam, scratch, stream, &T, &units); e.failure()) return e;
+  if (auto e = UploadTable(op, C.leaves, &C.adam, scratch, stream, &T, &units); e.failure()) {
+    return e;
+  }
   if (units == 0) return CudaStatus(op);
   T.bank_bytes = bank_bytes, T.vecs = bank_bytes / 16, T.group = group, T.count = nullptr;
-  T.nchunks = 1, T.hyper = hyper;
+  T.nchunks = 1, T.hyper = C.hyper;
   AdamGuardKernel<<<static_cast<unsigned>(units), kManyThreads, 0, stream>>>(T);
   return CudaStatus(op);
 }

@@ -1,5 +1,5 @@
 """Test helpers: shapes that are not multiples of any tile, trace counters, random inputs, the
-all-gathers of a compiled program, a model's loss-and-gradient jaxpr."""
+all-gathers of a compiled program, a model's loss-and-gradient jaxpr, AdamW's operands."""
 
 from __future__ import annotations
 
@@ -110,3 +110,32 @@ def grad_jaxpr(model, toks):
         return nnx.value_and_grad(loss)(nnx.merge(graphdef, p, r))
 
     return jax.make_jaxpr(step)(params, rest)
+
+
+# adamw_guard_many's leaves: whole parity groups, ragged ones (a partial last group, a partial last
+# bank, a last vector of 1 to 3 values) and a tiny one.
+ADAM_SHAPES = [(64, 1024), (1000,), (7, 301), (3,), (4097,)]
+
+
+def adam_leaves(dev, seed: int, gdtype):
+    """(params, grads, mu, nu) lists over ADAM_SHAPES on ``dev``; grads in ``gdtype``."""
+    rng = np.random.default_rng(seed)
+
+    def mk(shape, scale):
+        return jax.device_put(jnp.asarray(scale * rng.standard_normal(shape), jnp.float32), dev)
+
+    p = [mk(s, 1.0) for s in ADAM_SHAPES]
+    g = [mk(s, 0.3).astype(gdtype) for s in ADAM_SHAPES]
+    m = [mk(s, 0.01) for s in ADAM_SHAPES]
+    v = [jnp.abs(mk(s, 1e-4)) for s in ADAM_SHAPES]
+    return p, g, m, v
+
+
+def adam_hyper(trigger: float = 0.0, skip: float = 0.0):
+    """A step's scalars: clipped (norm 7.5 to 1) unless ``trigger``, step 3, decay 0.1."""
+    from pimlayers import ops
+
+    vals = dict(trigger=trigger, norm=7.5, max_norm=1.0, b1=0.9, one_minus_b1=0.1, b2=0.999,
+                one_minus_b2=1 - 0.999, bc1=1 - 0.9**3, bc2=1 - 0.999**3, eps=1e-8, eps_root=0.0,
+                wd=0.1, step=-3e-4, skip=skip)  # fmt: skip
+    return ops.AdamHyper(**{k: jnp.float32(x) for k, x in vals.items()})

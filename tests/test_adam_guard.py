@@ -191,3 +191,70 @@ def test_bad_input_is_refused_with_the_argument_named():
     store = PimStore({"a": jnp.zeros((8,), jnp.bfloat16)}, BankGeometry())
     with pytest.raises(TypeError, match=r"leaves \['a'\] are not float32"):
         store.adamw_update({"a": jnp.zeros((8,), jnp.bfloat16)}, {"a": p[0]}, {"a": p[0]}, {"a": p[0]}, h)
+
+
+@pytest.mark.parametrize("gdtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("trigger", "skip"), [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)])
+def test_native_cpu_handler_is_the_kernels_arithmetic(gdtype, trigger, skip):
+    """``impl="native"`` on a CPU (the default there is the reference): the CUDA kernel's arithmetic
+    (``_update_numpy``) bit for bit, ragged leaves included, guarded from the values it writes; XLA's
+    reference within 16 float32 epsilons of the magnitudes each value sums."""
+    from helpers import adam_hyper, adam_leaves
+
+    from pimlayers.ops._adam_guard import _scales, _update_numpy
+
+    leaves = adam_leaves(jax.devices("cpu")[0], 7, gdtype)
+    h = adam_hyper(trigger, skip)
+    run = lambda impl: jax.jit(lambda *a: ops.adamw_guard_many(*a, h, bank_bytes=512, group=3, impl=impl))(
+        *[[jnp.copy(x) for x in t] for t in leaves]
+    )
+    p, m, v, guards = run("native")
+    rp, rm, rv, _ = run("reference")
+    eps = 16 * float(np.finfo(np.float32).eps)
+    for i, leaf in enumerate(zip(*leaves, strict=True)):
+        for got, want in zip((p[i], m[i], v[i]), _update_numpy(*leaf, h), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        for got, ref, scale in zip((p[i], m[i], v[i]), (rp[i], rm[i], rv[i]), _scales(*leaf, h), strict=True):
+            assert np.all(np.abs(np.asarray(got) - np.asarray(ref)) <= eps * np.asarray(scale))
+    own = ops.bank_guard_many(list(p), bank_bytes=512, group=3)
+    _same(guards, own, exact=True)
+
+
+def test_native_handler_returns_errors():
+    """Operands the wrapper would never pass: the handler answers with an error, it does not abort."""
+    from helpers import adam_hyper
+
+    x = jnp.ones((100,), jnp.float32)
+    packed = adam_hyper().pack()
+    sd = jax.ShapeDtypeStruct
+    outs = (sd((100,), jnp.float32),) * 3 + (
+        sd((7, 2), jnp.uint32),
+        sd((4, 64), jnp.uint8),
+        sd((4, 2), jnp.uint32),
+    )
+    call = jax.ffi.ffi_call("pimlayers_adamw_guard_many", outs)
+    kw = dict(bank_bytes=np.int64(64), group=np.int64(2))
+    jax.block_until_ready(call(x, x, x, x, packed, **kw))  # well formed: runs
+    with pytest.raises(
+        Exception,
+        match=r"adamw_guard_many: g of leaf 0 is int32\(100,\); expected float32 or bfloat16\(100,\)",
+    ):
+        jax.block_until_ready(call(x, x.astype(jnp.int32), x, x, packed, **kw))
+    with pytest.raises(
+        Exception, match=r"adamw_guard_many: m of leaf 0 is float32\(99,\); expected float32\(100,\)"
+    ):
+        jax.block_until_ready(call(x, x, x[:99], x, packed, **kw))
+    with pytest.raises(
+        Exception,
+        match=r"adamw_guard_many: the scalars of array 1 is float32\(13,\); expected float32\(14,\)",
+    ):
+        jax.block_until_ready(call(x, x, x, x, packed[:13], **kw))
+    with pytest.raises(Exception, match=r"adamw_guard_many: 6 operands; expected 4 per leaf"):
+        jax.block_until_ready(call(x, x, x, x, packed, packed, **kw))
+    short = jax.ffi.ffi_call("pimlayers_adamw_guard_many", outs[:5])
+    with pytest.raises(Exception, match=r"adamw_guard_many: 1 leaves and 5 results; expected 6 per leaf"):
+        jax.block_until_ready(short(x, x, x, x, packed, **kw))
+    with pytest.raises(
+        Exception, match=r"adamw_guard_many: sums of array 0 is uint32\(7, 2\); expected uint32\(9, 2\)"
+    ):
+        jax.block_until_ready(call(x, x, x, x, packed, bank_bytes=np.int64(48), group=np.int64(2)))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import adam_hyper, adam_leaves
 
 import pimlayers as pl
 from pimlayers import ops
@@ -20,9 +21,6 @@ from pimlayers.ops._adam_guard import _scales, _update_numpy
 
 pytestmark = pytest.mark.gpu
 
-# A leaf of whole groups, ragged ones (a partial last group, a partial last bank, a last vector of
-# 1 to 3 values) and a tiny one.
-SHAPES = [(64, 1024), (1000,), (7, 301), (3,), (4097,)]
 _EPS = 16 * float(np.finfo(np.float32).eps)  # XLA's rounding against the kernel's: see _scales
 
 
@@ -30,23 +28,6 @@ _EPS = 16 * float(np.finfo(np.float32).eps)  # XLA's rounding against the kernel
 def gpu():
     assert pl.native_info()["cuda"].loaded, pl.native_info()["cuda"].reason
     return jax.devices("cuda")[0]
-
-
-def _leaves(gpu, seed, gdtype):
-    rng = np.random.default_rng(seed)
-    mk = lambda s, scale: jax.device_put(jnp.asarray(scale * rng.standard_normal(s), jnp.float32), gpu)
-    p = [mk(s, 1.0) for s in SHAPES]
-    g = [mk(s, 0.3).astype(gdtype) for s in SHAPES]
-    m = [mk(s, 0.01) for s in SHAPES]
-    v = [jnp.abs(mk(s, 1e-4)) for s in SHAPES]
-    return p, g, m, v
-
-
-def _hyper(trigger=0.0, skip=0.0):
-    vals = dict(trigger=trigger, norm=7.5, max_norm=1.0, b1=0.9, one_minus_b1=0.1, b2=0.999,
-                one_minus_b2=1 - 0.999, bc1=1 - 0.9**3, bc2=1 - 0.999**3, eps=1e-8, eps_root=0.0,
-                wd=0.1, step=-3e-4, skip=skip)  # fmt: skip
-    return ops.AdamHyper(**{k: jnp.float32(x) for k, x in vals.items()})
 
 
 def _run(impl, leaves, h, bank_bytes, group):
@@ -58,8 +39,8 @@ def _run(impl, leaves, h, bank_bytes, group):
 @pytest.mark.parametrize("trigger", [0.0, 1.0])
 @pytest.mark.parametrize(("bank_bytes", "group"), [(4096, 8), (512, 3), (16, 1)])
 def test_kernel_matches_reference(gpu, gdtype, trigger, bank_bytes, group):
-    leaves = _leaves(gpu, 1, gdtype)
-    h = _hyper(trigger)
+    leaves = adam_leaves(gpu, 1, gdtype)
+    h = adam_hyper(trigger)
     p, m, v, guards = _run("native", leaves, h, bank_bytes, group)
     rp, rm, rv, rguards = _run("reference", leaves, h, bank_bytes, group)
     for i, leaf in enumerate(zip(*leaves, strict=True)):
@@ -80,25 +61,25 @@ def test_kernel_matches_reference(gpu, gdtype, trigger, bank_bytes, group):
 
 
 def test_skipped_step_is_exact(gpu):
-    leaves = _leaves(gpu, 2, jnp.bfloat16)
+    leaves = adam_leaves(gpu, 2, jnp.bfloat16)
     leaves[1][0] = leaves[1][0].at[0, 0].set(jnp.nan)  # the reason a step is skipped
-    p, m, v, _ = _run("native", leaves, _hyper(skip=1.0), 4096, 8)
+    p, m, v, _ = _run("native", leaves, adam_hyper(skip=1.0), 4096, 8)
     for got, want in zip((*p, *m, *v), (*leaves[0], *leaves[2], *leaves[3]), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bfloat16_gradient_is_its_float32_widening(gpu):
-    p, g, m, v = _leaves(gpu, 3, jnp.bfloat16)
-    a = _run("native", (p, g, m, v), _hyper(), 4096, 8)
-    b = _run("native", (p, [x.astype(jnp.float32) for x in g], m, v), _hyper(), 4096, 8)
+    p, g, m, v = adam_leaves(gpu, 3, jnp.bfloat16)
+    a = _run("native", (p, g, m, v), adam_hyper(), 4096, 8)
+    b = _run("native", (p, [x.astype(jnp.float32) for x in g], m, v), adam_hyper(), 4096, 8)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_in_place_when_donated(gpu):
     """The parameters and moments are aliased to the results: a donated step writes over them."""
-    p, g, m, v = _leaves(gpu, 4, jnp.bfloat16)
-    h = _hyper()
+    p, g, m, v = adam_leaves(gpu, 4, jnp.bfloat16)
+    h = adam_hyper()
     want = _run("native", (p, g, m, v), h, 4096, 8)
     step = lambda p, g, m, v: ops.adamw_guard_many(p, g, m, v, h, impl="native")
     f = jax.jit(step, donate_argnums=(0, 2, 3))

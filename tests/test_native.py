@@ -17,6 +17,7 @@ def test_cpu_handlers_loaded_with_every_op():
         "pimlayers_bank_guard",
         "pimlayers_bank_guard_many",
         "pimlayers_bank_verify_many",
+        "pimlayers_adamw_guard_many",
         "pimlayers_reconstruct",
         "pimlayers_abft_check",
         "pimlayers_abft_finish",

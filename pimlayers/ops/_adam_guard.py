@@ -17,13 +17,15 @@ under ``pimlayers.optim.fault_aware``::
 with the step's scalars in an :class:`AdamHyper` (made by ``pimlayers.optim.adamw_guarded`` from
 optax's state). Elsewhere (the CPU, other geometries or dtypes) the reference runs: this expression
 in XLA, then ``bank_guard_many`` of the result; on a CPU it is optax's update to the last bit or an
-ulp (``tests/test_adam_guard.py``). The kernel rounds every operation on its own (no FMA) and takes
-the three divisions by a scalar as products by its reciprocal, as XLA's GPU programs do (with the
-divisions kept it ran 0.3-0.6 ms slower over 4 Llama-3-8B layers on an H100); NumPy's float32
+ulp (``tests/test_adam_guard.py``). The kernel rounds every operation on its own (no FMA) and
+takes the three divisions by a scalar as products by its reciprocal, as XLA's GPU programs do (with
+the divisions kept it ran 0.3-0.6 ms slower over 4 Llama-3-8B layers on an H100); NumPy's float32
 arithmetic in that order is its exact twin (``_update_numpy``, ``tests/test_gpu_adam_guard.py``).
 XLA's program on a GPU rounds otherwise (it contracts multiply-adds): the two agree within a few
 float32 epsilons of the magnitudes each result sums (``_scales``), and each one's guard is exactly
-that of the parameters it returns.
+that of the parameters it returns. A CPU handler with the kernel's arithmetic answers
+``impl="native"`` (so CI runs the kernel's definition and the handlers' checks; the CPU's default
+stays the reference, whose arithmetic is optax's).
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def adamw_guard_many(
     (a bfloat16 gradient is widened exactly, in the kernel's read); ``hyper``: the step's scalars.
     Returns ``(params', mu', nu', guards)``, each a tuple with one entry per leaf, the guards as
     ``bank_guard_many``'s. Native on CUDA (the leaves updated in place where XLA can donate them)
-    for banks of up to 4096 bytes in groups of up to 8; elsewhere the reference.
+    for banks of up to 4096 bytes in groups of up to 8; elsewhere the reference (``impl="native"``
+    on a CPU: its handler, with the CUDA kernel's arithmetic).
     """
     params, bank_bytes, group = _check("adamw_guard_many", params, bank_bytes, group, impl)
     _check_leaves(params, grads, mu, nu)
