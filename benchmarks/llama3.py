@@ -18,11 +18,26 @@ store, no faults. The throughput is the median step (the first step, which compi
 from __future__ import annotations
 
 import tempfile
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from train.llama3 import TrainConfig, recompute_mode, train
+
+
+class _Step(NamedTuple):
+    """One configuration of the suite: ``step_config``'s keyword arguments."""
+
+    protect: bool
+    fused: bool = False
+    flash: str = "auto"
+    recompute_blocks: int | None = None
+    recompute: bool = True
+    recompute_kernel: bool | None = None
+    weighted_checks: bool = True
+    cast_on_scrub: bool = True
+    fused_update: bool = True
 
 
 def run(
@@ -79,49 +94,51 @@ def run(
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
     rows: list[dict] = []
-    # (protect, fused, flash, recompute_blocks, recompute, recompute_kernel): off; off with cuDNN's
-    # attention; on; with ``fused`` also on with the fused forward GEMM, with ``redo_blocks`` on with
-    # the branch-free recompute, with ``no_recompute`` on without recompute (and with both, fused
-    # without recompute), with ``loop`` on with the recompute loops (recompute_kernel None:
-    # the policy's default, the device kernel where a GPU runs it).
-    # Then: the position-weighted checks (False: ``plain_checks``); the kernels' compute copies from
-    # the scrub (False: ``no_cast``); AdamW's step fused with the encode (False: ``unfused_update``).
-    configs = [(False, False, "auto", None, True, None, True, True, True)]
-    configs += [(False, False, "on", None, True, None, True, True, True)] if cudnn_peer else []
-    configs += [(True, False, "auto", None, True, None, True, True, True)]
-    configs += [(True, True, "auto", None, True, None, True, True, True)] if fused else []
-    configs += [(True, False, "auto", redo_blocks, True, None, True, True, True)] if redo_blocks else []
-    configs += [(True, False, "auto", None, True, False, True, True, True)] if loop else []
-    configs += [(True, False, "auto", None, False, None, True, True, True)] if no_recompute else []
-    configs += [(True, True, "auto", None, False, None, True, True, True)] if no_recompute and fused else []
-    configs += [(True, False, "auto", None, True, None, False, True, True)] if plain_checks else []
+    # Off; off with cuDNN's attention; on; with ``fused`` also on with the fused forward GEMM, with
+    # ``redo_blocks`` on with the branch-free recompute, with ``no_recompute`` on without recompute
+    # (and with both, fused without recompute), with ``loop`` on with the recompute loops
+    # (recompute_kernel None: the policy's default, the device kernel where a GPU runs it); then
+    # without the position-weighted checks (``plain_checks``), without the scrub's compute copies
+    # (``no_cast``), with AdamW's step then the encode (``unfused_update``).
+    bare, guarded = _Step(protect=False), _Step(protect=True)
+    configs = [bare]
+    configs += [bare._replace(flash="on")] if cudnn_peer else []
+    configs += [guarded]
+    configs += [guarded._replace(fused=True)] if fused else []
+    configs += [guarded._replace(recompute_blocks=redo_blocks)] if redo_blocks else []
+    configs += [guarded._replace(recompute_kernel=False)] if loop else []
+    configs += [guarded._replace(recompute=False)] if no_recompute else []
+    configs += [guarded._replace(fused=True, recompute=False)] if no_recompute and fused else []
+    configs += [guarded._replace(weighted_checks=False)] if plain_checks else []
     # Both: the fused forward GEMM forms the plain checks itself (no check GEMMs in the forward).
-    configs += [(True, True, "auto", None, True, None, False, True, True)] if plain_checks and fused else []
-    configs += [(True, False, "auto", None, True, None, True, False, True)] if no_cast else []
-    configs += [(True, False, "auto", None, True, None, True, True, False)] if unfused_update else []
+    configs += [guarded._replace(fused=True, weighted_checks=False)] if plain_checks and fused else []
+    configs += [guarded._replace(cast_on_scrub=False)] if no_cast else []
+    configs += [guarded._replace(fused_update=False)] if unfused_update else []
     runs = [(remat_policy, c) for c in configs]
     for extra in also_remat:
-        runs += [(extra, (False, False, "on", None, True, None, True, True, True))] if cudnn_peer else []
-        runs += [(extra, (True, False, "auto", None, True, None, True, True, True))]
-    for remat, (protect, fz, flash, rb, redo, kernel, weighted, cast, upd) in runs:
+        runs += [(extra, bare._replace(flash="on"))] if cudnn_peer else []
+        runs += [(extra, guarded)]
+    for remat, c in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = step_config(
-                layers, steps, n, seq, config, dtype, flip_every, remat, tmp,
-                protect=protect, fused=fz, flash=flash, recompute_blocks=rb, recompute=redo,
-                recompute_kernel=kernel, weighted_checks=weighted, cast_on_scrub=cast, fused_update=upd,
-            )  # fmt: skip
+            cfg = step_config(layers, steps, n, seq, config, dtype, flip_every, remat, tmp, **c._asdict())
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
         rows.append(
             {
                 "config": f"{config} x{s['layers']} layers",
-                "protect": protect,
-                "fused": fz if protect else None,
-                "recompute": _recompute_label(rb, redo, kernel) if protect else None,
-                "checks": ("c1, c2" if weighted else "c1 only") if protect else None,
-                "weights": ("scrub's bf16 copy" if cast else "cast by each layer") if protect else None,
-                "update": ("fused with the encode" if upd else "then encode") if protect else None,
-                "attention": _attention_label(protect, flash),
+                "protect": c.protect,
+                "fused": c.fused if c.protect else None,
+                "recompute": _recompute_label(c.recompute_blocks, c.recompute, c.recompute_kernel)
+                if c.protect
+                else None,
+                "checks": ("c1, c2" if c.weighted_checks else "c1 only") if c.protect else None,
+                "weights": ("scrub's bf16 copy" if c.cast_on_scrub else "cast by each layer")
+                if c.protect
+                else None,
+                "update": ("fused with the encode" if c.fused_update else "then encode")
+                if c.protect
+                else None,
+                "attention": _attention_label(c.protect, c.flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
                 "shape": f"B={cfg.batch} T={seq} {dtype}",

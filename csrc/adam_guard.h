@@ -47,15 +47,6 @@ struct AdamLeaf {
   float* v_out = nullptr;
 };
 
-inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto x = a.dimensions(), y = b.dimensions();
-  if (x.size() != y.size()) return false;
-  for (size_t d = 0; d < x.size(); ++d) {
-    if (x[d] != y[d]) return false;
-  }
-  return true;
-}
-
 // One call's operands and results: `leaves` carry the guard's geometry and outputs, `adam` the
 // update's arrays, `hyper` the scalars' address (device memory on a GPU).
 struct AdamCall {

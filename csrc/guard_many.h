@@ -52,6 +52,16 @@ inline ffi::Error CheckManyBuffer(const std::string& op, const ffi::AnyBuffer& b
                         DtypeName(dtype) + want);
 }
 
+// Whether two buffers have the same dimensions (dtypes aside).
+inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto x = a.dimensions(), y = b.dimensions();
+  if (x.size() != y.size()) return false;
+  for (size_t d = 0; d < x.size(); ++d) {
+    if (x[d] != y[d]) return false;
+  }
+  return true;
+}
+
 // Leaf i's bank and group counts from its array (bank_bytes and group checked by the caller).
 inline ffi::Error ManyLayout(const std::string& op, const ffi::AnyBuffer& x, int64_t bank_bytes,
                              int64_t group, size_t i, ManyLeaf* L) {
@@ -204,13 +214,11 @@ inline ffi::Error CollectVerifyMany(ffi::RemainingArgs args, ffi::RemainingRets 
       return BadArg(op, "array " + std::to_string(i) + " is " + DtypeName(x->element_type()) +
                             "; a cast reads float32");
     }
-    auto xd = x->dimensions(), cd = c.value()->dimensions();
-    bool same = c.value()->element_type() == ffi::DataType::BF16 && xd.size() == cd.size();
-    for (size_t d = 0; same && d < xd.size(); ++d) same = xd[d] == cd[d];
-    if (!same) {
+    if (c.value()->element_type() != ffi::DataType::BF16 || !SameDims(**c, *x)) {
       return BadArg(op, "the cast of array " + std::to_string(i) + " is " +
-                            DtypeName(c.value()->element_type()) + ShapeString(cd) +
-                            "; expected bfloat16" + ShapeString(xd));
+                            DtypeName(c.value()->element_type()) +
+                            ShapeString(c.value()->dimensions()) + "; expected bfloat16" +
+                            ShapeString(x->dimensions()));
     }
     if (reinterpret_cast<uintptr_t>(c.value()->untyped_data()) % 8 != 0) {
       return BadArg(op, "the cast of array " + std::to_string(i) + " is not 8-byte aligned");

@@ -207,10 +207,6 @@ def _tree_norm(tree: Any) -> jax.Array:
     return optax.global_norm(tree)
 
 
-def _states(state: Any, cls: type) -> list:
-    return [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls)) if isinstance(s, cls)]
-
-
 def _replace(state: Any, cls: type, new: Any) -> Any:
     return jax.tree.map(
         lambda x: new if isinstance(x, cls) else x, state, is_leaf=lambda x: isinstance(x, cls)
@@ -253,12 +249,11 @@ class GuardedAdamW:
 
         skip, reason = _decide(grads, report, self.skip_on_uncorrectable)
         adam = _one(state.inner_state, optax.ScaleByAdamState)
-        f32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # the unfused step's gradients
         one = jnp.float32(1)
         if self.clip is None:
             trigger, norm, max_norm = one, one, one
-        else:
-            norm = _tree_norm(f32)
+        else:  # the norm of the gradients the unfused step clips (widened to float32)
+            norm = _tree_norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
             trigger, max_norm = jnp.squeeze(norm < self.clip).astype(jnp.float32), jnp.float32(self.clip)
         count = optax.safe_increment(adam.count)
         if callable(self.learning_rate):
@@ -313,7 +308,8 @@ class GuardedAdamW:
 
 
 def _one(state: Any, cls: type) -> Any:
-    found = _states(state, cls)
+    """The one ``cls`` state (optax's ScaleByAdamState, ScaleByScheduleState) inside ``state``."""
+    found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls)) if isinstance(s, cls)]
     if len(found) != 1:
         raise ValueError(f"expected one {cls.__name__} in the optimizer state; found {len(found)}")
     return found[0]

@@ -357,13 +357,13 @@ class PimStore:
         scrub_spec = ScrubResult((dev,) * n, (dev,) * n, P(), rspec)
         layout = _local.BankLayout.of(self.address_map)
 
-        def enc_local(leaves):
-            guards = _local.encode_leaves(leaves, geo)
+        def xparity(leaves):  # each leaf's cross-device parity (nothing without a second device)
             if a < 2:
-                xs = tuple(jnp.zeros((0,), jnp.uint8) for _ in leaves)
-            else:
-                xs = tuple(_local.xparity_encode(to_bytes(x), axis, a) for x in leaves)
-            return guards, xs
+                return tuple(jnp.zeros((0,), jnp.uint8) for _ in leaves)
+            return tuple(_local.xparity_encode(to_bytes(x), axis, a) for x in leaves)
+
+        def enc_local(leaves):
+            return _local.encode_leaves(leaves, geo), xparity(leaves)
 
         def lead(t):  # add the per-device leading axis
             return jax.tree.map(lambda v: v[None], t)
@@ -446,12 +446,8 @@ class PimStore:
                     out[i] = (res[0][k], res[1][k], res[2][k], res[3][k])
             ps, ms, vs, guards = (tuple(o[j] for o in out) for j in range(4))
             guards = tuple(_local.LeafGuard(*g) for g in guards)
-            if a < 2:
-                xs = tuple(jnp.zeros((0,), jnp.uint8) for _ in ps)
-            else:
-                xs = tuple(_local.xparity_encode(to_bytes(x), axis, a) for x in ps)
             tree = functools.partial(jax.tree_util.tree_unflatten, self.treedef)
-            return tree(ps), tree(ms), tree(vs), PimState(lead(guards), lead(xs))
+            return tree(ps), tree(ms), tree(vs), PimState(lead(guards), lead(xparity(ps)))
 
         def rebuild(params, state, lost):
             leaves = jax.tree.leaves(params)

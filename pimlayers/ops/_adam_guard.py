@@ -22,8 +22,8 @@ takes the three divisions by a scalar as products by its reciprocal, as XLA's GP
 the divisions kept it ran 0.3-0.6 ms slower over 4 Llama-3-8B layers on an H100); NumPy's float32
 arithmetic in that order is its exact twin (``_update_numpy``, ``tests/test_gpu_adam_guard.py``).
 XLA's program on a GPU rounds otherwise (it contracts multiply-adds): the two agree within a few
-float32 epsilons of the magnitudes each result sums (``_scales``), and each one's guard is exactly
-that of the parameters it returns. A CPU handler with the kernel's arithmetic answers
+float32 epsilons of the magnitudes each result sums (``_scales``, ``_misfit``), and each one's
+guard is exactly that of the parameters it returns. A CPU handler with the kernel's arithmetic answers
 ``impl="native"`` (so CI runs the kernel's definition and the handlers' checks; the CPU's default
 stays the reference, whose arithmetic is optax's).
 """
@@ -112,6 +112,22 @@ def _scales(p, g, m, v, h: AdamHyper):
     v1 = h.one_minus_b2 * (gg * gg) + h.b2 * v
     u = jnp.abs(h.step) * ((m1 / h.bc1) / (jnp.sqrt(v1 / h.bc2 + h.eps_root) + h.eps) + h.wd * jnp.abs(p))
     return jnp.abs(p) + u, m1, v1
+
+
+_AGREE_EPS = 16 * float(np.finfo(np.float32).eps)  # two roundings of the update agree within this
+
+
+def _misfit(got, want, p, g, m, v, h: AdamHyper) -> jax.Array:
+    """float32 (3,): for p', m' and v', how far two computations of the update disagree beyond
+    ``_AGREE_EPS`` times the magnitudes each value sums (:func:`_scales`), as the largest ratio of a
+    difference to that tolerance where it is exceeded: all zeros where they agree."""
+    out = []
+    for a, b, s in zip(got, want, _scales(p, g, m, v, h), strict=True):
+        err = jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))
+        tol = _AGREE_EPS * s
+        over = jnp.where(err <= tol, 0.0, err / jnp.maximum(tol, np.finfo(np.float32).tiny))
+        out.append(jnp.max(over, initial=0.0))
+    return jnp.stack(out)
 
 
 def adamw_guard_many_reference(
