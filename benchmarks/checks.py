@@ -11,7 +11,10 @@ partial sums are added afterwards) at the checks of the Llama-3-8B step's GEMMs,
 device time (profiler traces of one call), against XLA's checks and one f32 sum of x (one read of
 its bytes: ``reads`` = time / that read's). Every kernel result is checked against ``abft_checks``
 before it is timed (``benchmarks.matmul._same_checks``); a grid whose check fails is reported, not
-timed.
+timed. XLA's checks are also timed with K cut into 2, 4 and 8 slices (``xla_s{S}_us``), the slices'
+products one batched GEMM: more output tiles for a narrow check GEMM with a long K. On an H100
+(2026-12-06, checks-s53split) every cut was as slow or slower than XLA's uncut GEMMs (191.7 µs
+uncut at K = 14336, 195.5-221.0 cut), so the protected GEMMs keep K whole.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ __all__ = ["GRIDS", "run"]
 # (bm, splits) the suite times; (64, 1) is the kernel's first grid.
 GRIDS = ((64, 1), (64, 2), (64, 4), (32, 1), (32, 2), (32, 4), (16, 4))
 LAM = 8.0  # FaultPolicy's default λ: the terms the protected GEMM's checks carry
+# XLA's checks with K cut into this many slices (one batched GEMM, the partial products added).
+XLA_SPLITS = (2, 4, 8)
 
 
 def _cases(m: int) -> list[tuple[str, int, int, int, bool]]:
@@ -79,6 +84,7 @@ def run(m: int = 8192, grids=GRIDS, seed: int = 0) -> list[dict]:
             "xla_us": _us(xla, x, enc),
             "xla_plain_us": _us(plain, x, enc),
         }
+        row.update(_xla_splits(x, enc, want, name, transposed))
         if not checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed):
             row["kernel"] = "not taken (checks_kernel_applies)"
         else:
@@ -97,6 +103,25 @@ def run(m: int = 8192, grids=GRIDS, seed: int = 0) -> list[dict]:
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def _xla_splits(x, enc, want, name, transposed, splits=XLA_SPLITS) -> dict:
+    """``xla_s{S}_us``: XLA's checks with K cut into S slices (``_abft._split_dot(split=S)``), or
+    ``..._error`` where they are not XLA's checks."""
+    row = {}
+    k = enc.abs_sums.shape[-2]
+    for split in splits:
+        if k % split:
+            continue
+        fn = jax.jit(lambda v, e, s=split: _abft._checks_reference(v, e, transposed, LAM, split=s))
+        key = f"xla_s{split}"
+        try:
+            _same_checks(f"{name} {key}", want, fn(x, enc), x, enc, transposed)
+        except AssertionError as err:
+            row[f"{key}_error"] = str(err)
+            continue
+        row[f"{key}_us"] = _us(fn, x, enc)
+    return row
 
 
 def _us(fn, *args) -> float | None:

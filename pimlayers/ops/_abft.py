@@ -528,8 +528,16 @@ def _check_terms(k: int, lam: float | None) -> tuple[int, int, float]:
 
 
 def _checks_reference(
-    x, enc: WeightChecksums, transposed: bool, lam: float | None = None, weighted: bool = True
+    x,
+    enc: WeightChecksums,
+    transposed: bool,
+    lam: float | None = None,
+    weighted: bool = True,
+    split: int = 1,
 ):
+    """``split``: a bf16 x's check GEMMs with K cut into that many slices (:func:`_split_dot`). The
+    protected GEMMs keep K whole: cut, the checks ran no faster on an H100 (the checks suite's
+    ``xla_s{S}_us``; docs/performance.md)."""
     *g, k, nb = enc.abs_sums.shape
     per = 2 if weighted else 1  # c1 and c2, or (weighted=False) c1 alone
     sums = enc.sums.reshape(*g, k, nb * 2) if weighted else enc.sums[..., 0]
@@ -549,9 +557,9 @@ def _checks_reference(
         # column per block in these GEMMs (8 per 128-column block with f32-accurate checks, 6.25%
         # of the protected GEMM's own work; 7, or 5 for the weight gradients, given λ).
         c_terms, mag_terms, scale = _check_terms(k, lam)
-        c = pair(_split_dot(x, sums, c_terms, transposed))
+        c = pair(_split_dot(x, sums, c_terms, transposed, split))
         abs_sums = enc.abs_sums if scale == 1.0 else enc.abs_sums * jnp.float32(scale)  # (K, nb): small
-        return c, _split_dot(jnp.abs(x), abs_sums, mag_terms, transposed)
+        return c, _split_dot(jnp.abs(x), abs_sums, mag_terms, transposed, split)
     xf = x.astype(jnp.float32)
     hi = lax.Precision.HIGHEST  # TF32 or bf16 passes would swamp the bound
     c = pair(_dot_x(xf, sums, transposed, precision=hi))
@@ -568,11 +576,43 @@ def _dot_x(x, w, transposed: bool, **kw):
 
 
 def _split_dot(
-    x: Float[Array, "*m k"], w: Float[Array, "*g k c"], terms: int, transposed: bool = False
+    x: Float[Array, "*m k"],
+    w: Float[Array, "*g k c"],
+    terms: int,
+    transposed: bool = False,
+    split: int = 1,
 ) -> Float[Array, "*m c"]:
-    """x (bf16) @ w (f32) in f32 via w = sum of ``terms`` bf16 parts: one bf16 GEMM, exact products."""
-    y = _dot_x(x, _split_parts(w, terms), transposed, preferred_element_type=jnp.float32)
+    """x (bf16) @ w (f32) in f32 via w = sum of ``terms`` bf16 parts: one bf16 GEMM, exact products.
+
+    ``split`` > 1 (dividing K): K cut into that many slices, one batched GEMM of them whose f32
+    partial products are added in slice order; the same products, accumulated in another order."""
+    parts = _split_parts(w, terms)
+    if split == 1:
+        y = _dot_x(x, parts, transposed, preferred_element_type=jnp.float32)
+    else:
+        y = _dot_x_split(x, parts, transposed, split)
     return _sum_terms(y, terms, w.shape[-1])
+
+
+def _dot_x_split(x, w: Array, transposed: bool, split: int) -> Array:
+    """:func:`_dot_x` in f32 with K cut into ``split`` equal slices, each slice's product a batch
+    entry of one GEMM, the partial products added in slice order."""
+    k = w.shape[-2]
+    if k % split:
+        raise ValueError(f"pimlayers: split={split} does not divide K = {k}")
+    ws = w.reshape(*w.shape[:-2], split, k // split, w.shape[-1])  # (*g, S, K/S, C)
+    if transposed:  # x (*g, K, R): contract over K in place, batch over (*g, S)
+        xs = x.reshape(*x.shape[:-2], split, k // split, x.shape[-1])
+        batch = tuple(range(xs.ndim - 2))
+        dims = (((xs.ndim - 2,), (ws.ndim - 2,)), (batch, batch))
+        y = lax.dot_general(xs, ws, dims, preferred_element_type=jnp.float32)  # (*g, S, R, C)
+    else:  # x (*m, R, K): (*m, S, R, K/S) @ (*g, S, K/S, C) by matmul's broadcasting
+        xs = jnp.moveaxis(x.reshape(*x.shape[:-1], split, k // split), -2, -3)
+        y = jnp.matmul(xs, ws, preferred_element_type=jnp.float32)  # (*m, S, R, C)
+    out = y[..., 0, :, :]
+    for i in range(1, split):
+        out = out + y[..., i, :, :]
+    return out
 
 
 def _split_parts(w: Float[Array, "*g k c"], terms: int) -> Array:
