@@ -25,9 +25,11 @@ import numpy as np
 
 from train.llama3 import TrainConfig, recompute_mode, train
 
+__all__ = ["Step", "run", "step_config"]
 
-class _Step(NamedTuple):
-    """One configuration of the suite: ``step_config``'s keyword arguments."""
+
+class Step(NamedTuple):
+    """One configuration of the suite's steps (what ``step_config`` sets beyond the shared ones)."""
 
     protect: bool
     fused: bool = False
@@ -100,7 +102,7 @@ def run(
     # (recompute_kernel None: the policy's default, the device kernel where a GPU runs it); then
     # without the position-weighted checks (``plain_checks``), without the scrub's compute copies
     # (``no_cast``), with AdamW's step then the encode (``unfused_update``).
-    bare, guarded = _Step(protect=False), _Step(protect=True)
+    bare, guarded = Step(protect=False), Step(protect=True)
     configs = [bare]
     configs += [bare._replace(flash="on")] if cudnn_peer else []
     configs += [guarded]
@@ -120,7 +122,7 @@ def run(
         runs += [(extra, guarded)]
     for remat, c in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = step_config(layers, steps, n, seq, config, dtype, flip_every, remat, tmp, **c._asdict())
+            cfg = step_config(layers, steps, n, seq, config, dtype, flip_every, remat, tmp, c)
             s = train(cfg)
         inj, g, m = s["injected"], s["gemm"], s["memory"]
         rows.append(
@@ -190,16 +192,7 @@ def step_config(
     flip_every: int,
     remat_policy: str,
     out_dir: str,
-    *,
-    protect: bool,
-    fused: bool = False,
-    flash: str = "auto",
-    recompute_blocks: int | None = None,
-    recompute: bool = True,
-    recompute_kernel: bool | None = None,
-    weighted_checks: bool = True,
-    cast_on_scrub: bool = True,
-    fused_update: bool = True,
+    step: Step,
 ) -> TrainConfig:
     """The training script's configuration for one of the suite's steps (one sequence per device;
     protected runs inject parameter flips every ``flip_every`` steps and GEMM faults at 0.2 a step)."""
@@ -218,18 +211,18 @@ def step_config(
         eval_windows=devices,
         warmup=max(steps // 4, 1),
         lr=3e-4,
-        protect=protect,
-        fused=fused,
-        recompute_blocks=recompute_blocks,
-        recompute=recompute,
-        recompute_kernel=recompute_kernel,
-        locate=weighted_checks,  # nothing to locate with without c2
-        weighted_checks=weighted_checks,
-        cast_on_scrub=cast_on_scrub,
-        fused_update=fused_update,
-        flash=flash,
-        flip_every=flip_every if protect else 0,
-        gemm_fault_rate=0.2 if protect else 0.0,
+        protect=step.protect,
+        fused=step.fused,
+        recompute_blocks=step.recompute_blocks,
+        recompute=step.recompute,
+        recompute_kernel=step.recompute_kernel,
+        locate=step.weighted_checks,  # nothing to locate with without c2
+        weighted_checks=step.weighted_checks,
+        cast_on_scrub=step.cast_on_scrub,
+        fused_update=step.fused_update,
+        flash=step.flash,
+        flip_every=flip_every if step.protect else 0,
+        gemm_fault_rate=0.2 if step.protect else 0.0,
         nan_rate=0.0,
         out_dir=out_dir,
         quiet=True,

@@ -76,13 +76,12 @@ def _child(args) -> None:
         return _attention_child(args)
     from train.llama3 import train
 
-    from .llama3 import step_config
+    from .llama3 import Step, step_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = step_config(
-            args.layers, args.steps, 1, args.seq, args.config, args.dtype, 5, "gemms", tmp,
-            protect=not args.unprotected, flash="on" if args.unprotected else "auto", recompute=False,
-        )  # fmt: skip
+        step = Step(protect=not args.unprotected, flash="on" if args.unprotected else "auto", recompute=False)
+        shape = (args.layers, args.steps, 1, args.seq, args.config, args.dtype)
+        cfg = step_config(*shape, 5, "gemms", tmp, step)
         s = train(cfg)
     print("STEP_AB " + json.dumps({"step_seconds": [float(t) for t in s["step_seconds"]]}))
 

@@ -436,17 +436,14 @@ def test_llama3_suite_plain_checks_configuration_drops_c2_and_location(tmp_path)
     (its training configuration says both; the training script refuses one without the other)."""
     from benchmarks import llama3
 
-    cfg = llama3.step_config(1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path), protect=True)
-    plain = llama3.step_config(
-        1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path), protect=True, weighted_checks=False
-    )
+    shared = (1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path))
+    cfg = llama3.step_config(*shared, llama3.Step(protect=True))
+    plain = llama3.step_config(*shared, llama3.Step(protect=True, weighted_checks=False))
     assert cfg.weighted_checks and cfg.locate
     assert not plain.weighted_checks and not plain.locate
     # --no-cast: the protected step whose layers cast their kernels (the default takes the scrub's copies)
     assert cfg.cast_on_scrub
-    assert not llama3.step_config(
-        1, 2, 1, 64, "llama3_tiny", "float32", 5, "gemms", str(tmp_path), protect=True, cast_on_scrub=False
-    ).cast_on_scrub
+    assert not llama3.step_config(*shared, llama3.Step(protect=True, cast_on_scrub=False)).cast_on_scrub
 
 
 def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books():
