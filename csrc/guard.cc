@@ -133,28 +133,6 @@ ffi::Error VerifyManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t gr
   return ffi::Error::Success();
 }
 
-// AdamW on one float32 value with the CUDA kernel's arithmetic (csrc/guard.cu::AdamOne): each
-// operation rounded on its own, the divisions by a scalar as products by its reciprocal. Not
-// contracted into FMAs: the module is built for baseline x86-64 (no FMA instruction to contract
-// into), and GCC is told so for this function should it be built for a newer ISA.
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
-float AdamOneCpu(const AdamHyper& H, float clip, float rbc1, float rbc2, float p, float g, float* m,
-                 float* v) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-  const float gg = H.trigger != 0.f ? g : g * clip;
-  const float m1 = H.one_minus_b1 * gg + H.b1 * *m;
-  const float v1 = H.one_minus_b2 * (gg * gg) + H.b2 * *v;
-  float u = (m1 * rbc1) / (std::sqrt(v1 * rbc2 + H.eps_root) + H.eps);
-  u = H.step * (u + H.wd * p);
-  if (H.skip != 0.f) return p + 0.f;  // p + 0, as apply_updates adds a skipped step's zeros
-  *m = m1, *v = v1;
-  return p + u;
-}
-
 // The kernel's twin on the CPU (the training step's default there is XLA's update, then
 // bank_guard_many: optax's arithmetic; this one is reached with impl="native"): each leaf updated
 // value by value, then guarded from the values written.
@@ -166,7 +144,7 @@ ffi::Error AdamGuardManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t
   const std::vector<AdamLeaf>& adam = C.adam;
   AdamHyper H;
   std::memcpy(&H, C.hyper, sizeof(H));
-  const float clip = H.max_norm / H.norm, rbc1 = 1.f / H.bc1, rbc2 = 1.f / H.bc2;
+  const AdamDerived D = Derive(H);
   for (size_t i = 0; i < leaves.size(); ++i) {
     const ManyLeaf& L = leaves[i];
     const AdamLeaf& A = adam[i];
@@ -180,7 +158,7 @@ ffi::Error AdamGuardManyCpu(ffi::RemainingArgs args, int64_t bank_bytes, int64_t
         g = static_cast<const float*>(A.g)[e];
       }
       float m = A.m[e], v = A.v[e];
-      A.p_out[e] = AdamOneCpu(H, clip, rbc1, rbc2, A.p[e], g, &m, &v);
+      A.p_out[e] = AdamOne(H, D, A.p[e], g, m, v);
       A.m_out[e] = m, A.v_out[e] = v;
     }
     GuardOne(reinterpret_cast<const uint8_t*>(A.p_out), L.bytes, L.nbanks, L.ngroups, bank_bytes,

@@ -599,34 +599,7 @@ ffi::Error LaunchMany(const ManyTable& T, int64_t units, cudaStream_t stream) {
 // but the vector is computed (p, g, m, v read; p', m', v' written) rather than read, then XORed
 // into the parity and summed as the guard does. The update moves the bytes XLA's update moves (26
 // a parameter with a bfloat16 gradient, 28 with a float32 one); the guard's read of 4 is saved.
-
-// Scalars derived once per thread: the clip factor and the bias corrections' reciprocals.
-struct AdamDerived {
-  float clip, rbc1, rbc2;
-};
-
-__device__ __forceinline__ AdamDerived Derive(const AdamHyper& H) {
-  return {__fdiv_rn(H.max_norm, H.norm), __fdiv_rn(1.f, H.bc1), __fdiv_rn(1.f, H.bc2)};
-}
-
-// AdamW on one float32 parameter, in the order of optax's clip_by_global_norm -> adamw ->
-// apply_updates, every operation rounded on its own (the __f*_rn intrinsics do not contract into
-// FMAs), but for the divisions by a scalar (the clip's, the bias corrections'), taken as products
-// by its reciprocal as XLA's GPU programs take them: one division per value instead of four. On an
-// H100 (4 Llama-3-8B layers, `python -m benchmarks.run --suite update`) the four divisions kept the
-// kernel at 9.99 ms (2 CTAs an SM) and 9.10 (3), against 9.37 and 8.80 with the reciprocals.
-__device__ __forceinline__ float AdamOne(const AdamHyper& H, const AdamDerived& D, float p, float g,
-                                         float& m, float& v) {
-  const float gg = H.trigger != 0.f ? g : __fmul_rn(g, D.clip);
-  const float m1 = __fadd_rn(__fmul_rn(H.one_minus_b1, gg), __fmul_rn(H.b1, m));
-  const float v1 = __fadd_rn(__fmul_rn(H.one_minus_b2, __fmul_rn(gg, gg)), __fmul_rn(H.b2, v));
-  const float mh = __fmul_rn(m1, D.rbc1), vh = __fmul_rn(v1, D.rbc2);
-  float u = __fdiv_rn(mh, __fadd_rn(__fsqrt_rn(__fadd_rn(vh, H.eps_root)), H.eps));
-  u = __fmul_rn(H.step, __fadd_rn(u, __fmul_rn(H.wd, p)));
-  const bool skip = H.skip != 0.f;
-  m = skip ? m : m1, v = skip ? v : v1;
-  return __fadd_rn(p, skip ? 0.f : u);  // p + 0, as apply_updates adds a skipped step's zeros
-}
+// The arithmetic (AdamOne) is adam_guard.h's, shared with the CPU handler.
 
 // The updated float32 vector at byte `off` of leaf i (written to p', m', v'), as the bytes the
 // guard takes; zeros past the leaf's end, as the guard reads there.
