@@ -535,9 +535,11 @@ def _checks_reference(
     weighted: bool = True,
     split: int = 1,
 ):
-    """``split``: a bf16 x's check GEMMs with K cut into that many slices (:func:`_split_dot`). The
-    protected GEMMs keep K whole: cut, the checks ran no faster on an H100 (the checks suite's
-    ``xla_s{S}_us``; docs/performance.md)."""
+    """:func:`abft_checks` from XLA's dots (the GPU's path; the reference elsewhere).
+
+    ``split``: a bf16 x's two check GEMMs with K cut into that many slices (:func:`_split_dot`), for
+    the checks suite to time. The protected GEMMs keep K whole: cut, the checks ran no faster on an
+    H100 (2026-12-06, the suite's ``xla_s{S}_us``; docs/performance.md)."""
     *g, k, nb = enc.abs_sums.shape
     per = 2 if weighted else 1  # c1 and c2, or (weighted=False) c1 alone
     sums = enc.sums.reshape(*g, k, nb * 2) if weighted else enc.sums[..., 0]
