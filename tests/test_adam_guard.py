@@ -6,7 +6,8 @@ within an ulp (where XLA contracts a multiply-add in one program and not the oth
 exactly, and protection data exactly that of the parameters the step returns; clipped or not,
 skipped or not, with a schedule or a constant rate, with a weight-decay mask or without. A skipped
 step and a clean one run one program. Bad input is refused with the argument named. The CUDA
-kernel is compared with this reference in tests/test_gpu_adam_guard.py."""
+kernel is compared with this reference in tests/test_gpu_adam_guard.py; its program, lowered for
+CUDA here, is one call that updates every leaf in place."""
 
 from __future__ import annotations
 
