@@ -81,10 +81,11 @@ PL_HD AdamDerived Derive(const AdamHyper& H) {
 // AdamW on one float32 parameter, in the order of optax's clip_by_global_norm -> adamw ->
 // apply_updates, every operation rounded on its own, but for the divisions by a scalar (the
 // clip's, the bias corrections'), taken as products by its reciprocal as XLA's GPU programs take
-// them: one division per value instead of four. On an H100 (4 Llama-3-8B layers, `python -m
-// benchmarks.run --suite update`) the four divisions kept the CUDA kernel at 9.99 ms (2 CTAs an SM)
-// and 9.10 (3), against 9.37 and 8.80 with the reciprocals. The kernel (guard.cu) and the CPU
-// handler (guard.cc) both run this text; ops._adam_guard._update_numpy is its NumPy twin.
+// them: one division per value instead of four. A measuring build with both forms (2026-12-06,
+// H100, 4 Llama-3-8B layers; its switch is not in the repo: docs/gpu-tests.md, fifty-second
+// session) ran the four divisions at 9.99 ms (2 CTAs an SM) and 9.10 (3), the reciprocals at 9.37
+// and 8.80; the kept kernel: `python -m benchmarks.run --suite update`. The kernel (guard.cu) and
+// the CPU handler (guard.cc) both run this text; ops._adam_guard._update_numpy is its NumPy twin.
 #if !defined(__CUDA_ARCH__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif

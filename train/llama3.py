@@ -82,7 +82,7 @@ class TrainConfig:
     # pimlayers.optim.adamw_guarded): on a GPU one kernel reads p, g, m, v, writes p, m, v and forms
     # the checksums and parity from what it writes, where the unfused step's encode reads every
     # parameter again (4 Llama-3-8B layers on an H100, `python -m benchmarks.run --suite update`:
-    # 8.80 ms against 9.81 for optax's step then the encode, 8.53 for the step alone). The same
+    # 8.74 ms against 9.75 for optax's step then the encode, 8.45 for the step alone). The same
     # training either way, to an ulp (the kernel rounds each operation; XLA contracts some).
     # --no-fused-update: optax's step, then the encode.
     fused_update: bool = True

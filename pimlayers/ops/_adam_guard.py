@@ -19,7 +19,8 @@ optax's state). Elsewhere (the CPU, other geometries or dtypes) the reference ru
 in XLA, then ``bank_guard_many`` of the result; on a CPU it is optax's update to the last bit or an
 ulp (``tests/test_adam_guard.py``). The kernel rounds every operation on its own (no FMA) and
 takes the three divisions by a scalar as products by its reciprocal, as XLA's GPU programs do (with
-the divisions kept it ran 0.3-0.6 ms slower over 4 Llama-3-8B layers on an H100); NumPy's float32
+the divisions kept, a measuring build not in the repo ran 0.3-0.6 ms slower over 4 Llama-3-8B
+layers on an H100: docs/gpu-tests.md, fifty-second session); NumPy's float32
 arithmetic in that order is its exact twin (``_update_numpy``, ``tests/test_gpu_adam_guard.py``).
 XLA's program on a GPU rounds otherwise (it contracts multiply-adds): the two agree within a few
 float32 epsilons of the magnitudes each result sums (``_scales``, ``_misfit``), and each one's
