@@ -22,6 +22,10 @@ Cases (``--case``), each at ``--shape``:
   (default 1,8192,32,8,128), bf16.
 * ``matmul``: the protected GEMM's forward (the default FaultPolicy) and the plain one; shape M,K,N
   (default 8192,4096,14336), bf16 (``--dtype``).
+* ``projections``: the forward and backward (``jax.vjp``, fixed cotangents) of the projections of
+  one input as a Llama-3 layer has them, protected (``ops.protected_matmuls``, the default
+  FaultPolicy) and plain: attention's q, k and v (D -> D, KV, KV) and the MLP's gate and up
+  (D -> F, F); shape M,D,KV,F (default 8192,4096,1024,14336), bf16 (``--dtype``).
 
 Before timing, each variant's ops are checked on their clean inputs (``_sane``: the protected GEMM
 against the plain one; the verified flash kernels within their own bounds and close to their
@@ -52,8 +56,13 @@ from ._harness import ROOT, command_line, write_result
 
 __all__ = ["main", "measure", "summarize"]
 
-CASES = ("flash", "matmul")
-_DEFAULT_SHAPES = {"flash": (1, 8192, 32, 8, 128), "matmul": (8192, 4096, 14336)}
+CASES = ("flash", "matmul", "projections")
+_DEFAULT_SHAPES = {
+    "flash": (1, 8192, 32, 8, 128),
+    "matmul": (8192, 4096, 14336),
+    "projections": (8192, 4096, 1024, 14336),
+}
+_SHAPE_NAMES = {"flash": "B,T,H,KV,D", "matmul": "M,K,N", "projections": "M,D,KV,F"}
 _MARK = "REV_AB "
 
 
@@ -66,9 +75,8 @@ def _parse_shape(case: str, text: str | None) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if len(shape) != want or min(shape) <= 0:
-        names = "B,T,H,KV,D" if case == "flash" else "M,K,N"
         raise ValueError(
-            f"benchmarks.rev_ab: --shape {text!r} for case {case!r}; expected {names} (positive)"
+            f"benchmarks.rev_ab: --shape {text!r} for case {case!r}; expected {_SHAPE_NAMES[case]} (positive)"
         )
     return shape
 
@@ -93,6 +101,8 @@ def _ops(case: str, shape: tuple[int, ...], dtype: str) -> dict:
         enc = ops.abft_encode(w, policy.block_n)
         prot = jax.jit(lambda x, w, e: ops.protected_matmul(x, w, e, policy=policy)[0])
         return {"plain": (jax.jit(jnp.matmul), (x, w)), "protected": (prot, (x, w, enc))}
+    if case == "projections":
+        return _projections(shape, dt)
     b, t, h, kv, d = shape
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dt)
@@ -134,15 +144,62 @@ def _ops(case: str, shape: tuple[int, ...], dtype: str) -> dict:
     return table
 
 
+def _projections(shape: tuple[int, ...], dt) -> dict:
+    """The ``projections`` case: ``{"<group> plain" | "<group> protected": (fn, args)}``, each fn
+    the forward and backward of one input's projections, returning the products and the gradients
+    of x and of each weight."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import pimlayers
+    from pimlayers import ops
+
+    m, d, kv, f = shape
+    policy = pimlayers.FaultPolicy()
+    table = {}
+    for group, widths in (("qkv", (d, kv, kv)), ("gate/up", (f, f))):
+        keys = jax.random.split(jax.random.key(len(widths)), 1 + 2 * len(widths))
+        x = jax.random.normal(keys[0], (m, d), jnp.float32).astype(dt)
+        ws = tuple(
+            (jax.random.normal(kk, (d, n), jnp.float32) / d**0.5).astype(dt)
+            for kk, n in zip(keys[1 : 1 + len(widths)], widths, strict=True)
+        )
+        cts = tuple(
+            jax.random.normal(kk, (m, n), jnp.float32).astype(dt)
+            for kk, n in zip(keys[1 + len(widths) :], widths, strict=True)
+        )
+
+        def both(fwd, x, ws, cts):
+            ys, vjp = jax.vjp(fwd, x, ws)
+            return ys, *vjp(cts)
+
+        plain = lambda x, ws: tuple(x @ w for w in ws)
+        prot = lambda x, ws: ops.protected_matmuls(x, ws, policy=policy)[0]
+        table[f"{group} plain"] = (jax.jit(functools.partial(both, plain)), (x, ws, cts))
+        table[f"{group} protected"] = (jax.jit(functools.partial(both, prot)), (x, ws, cts))
+    return table
+
+
 def _sane(case: str, table: dict) -> None:
     """Before timing, what each variant's kernels must show on clean inputs: the protected GEMM the
     plain product (bf16 rounding apart) with nothing detected; the verified flash kernels every
     row within its checks' bounds (their ratios <= 1), and the checked outputs close to the unchecked."""
+    import jax
     import jax.numpy as jnp
 
     def diff(a, b):
         return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
+    if case == "projections":  # products and gradients within bf16's rounding of the plain ones
+        for group in ("qkv", "gate/up"):
+            (plain, pa), (prot, qa) = table[f"{group} plain"], table[f"{group} protected"]
+            for a, b in zip(jax.tree.leaves(prot(*qa)), jax.tree.leaves(plain(*pa)), strict=True):
+                err, size = diff(a, b), float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+                if not err <= 2e-2 * max(size, 1.0):
+                    raise AssertionError(f"rev_ab: protected {group} differs from the plain one by {err}")
+        return
     if case == "matmul":
         (plain, pa), (prot, qa) = table["plain"], table["protected"]
         err = diff(plain(*pa), prot(*qa))
@@ -281,7 +338,7 @@ def main(argv=None) -> None:
         help="a git revision (or a folder holding a pimlayers package) to time against the working tree",
     )
     ap.add_argument("--case", choices=CASES, default="flash")
-    ap.add_argument("--shape", default=None, help="flash: B,T,H,KV,D; matmul: M,K,N")
+    ap.add_argument("--shape", default=None, help="flash: B,T,H,KV,D; matmul: M,K,N; projections: M,D,KV,F")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="profiled calls per op and process")

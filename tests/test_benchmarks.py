@@ -1266,6 +1266,25 @@ def test_rev_ab_refuses_what_it_cannot_run():
         rev_ab.main(["--rev", "HEAD", "--case", "matmul", "--shape", "64,64"])
     with pytest.raises(ValueError, match="expected B,T,H,KV,D"):
         rev_ab.main(["--rev", "HEAD", "--case", "flash", "--shape", "1,2,3,4,x"])
+    with pytest.raises(ValueError, match="expected M,D,KV,F"):
+        rev_ab.main(["--rev", "HEAD", "--case", "projections", "--shape", "64,64,0,128"])
+
+
+def test_rev_ab_projections_case_checks_the_protected_gradients_against_the_plain_ones():
+    # The case's ops before timing: each group's products and gradients (x's, each weight's) from
+    # the protected projections within bf16's rounding of the plain ones; a wrong one is refused.
+    from benchmarks import rev_ab
+
+    table = rev_ab._ops("projections", (64, 128, 32, 256), "bfloat16")
+    assert sorted(table) == ["gate/up plain", "gate/up protected", "qkv plain", "qkv protected"]
+    rev_ab._sane("projections", table)
+    fn, args = table["qkv protected"]
+    ys, gx, gws = fn(*args)
+    assert [y.shape for y in ys] == [(64, 128), (64, 32), (64, 32)] and gx.shape == (64, 128)
+    assert [g.shape for g in gws] == [(128, 128), (128, 32), (128, 32)]
+    table["qkv protected"] = (lambda *a: jax.tree.map(lambda v: 2 * v, fn(*a)), args)
+    with pytest.raises(AssertionError, match="protected qkv differs"):
+        rev_ab._sane("projections", table)
 
 
 def test_rev_ab_takes_a_folders_package_with_this_environments_extensions(tmp_path):

@@ -629,18 +629,24 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     f_da = [None if f is None else f[1] for f in faults]
     f_db = [None if f is None else f[2] for f in faults]
     # dx = dy @ wᵀ and dw = xᵀ @ dy read w and x where they lie (transposed operands: a copy of
-    # each, and a strided encode of wᵀ, cost the CPU more than the checks themselves). Each weight's
-    # dx is its own checked GEMM (their dy differ), summed as autodiff sums a shared input's
-    # cotangents; the dw GEMMs share xᵀ, so one check GEMM serves them all.
+    # each, and a strided encode of wᵀ, cost the CPU more than the checks themselves). The dw GEMMs
+    # share xᵀ, so one check GEMM serves them all; the dx of several weights is one checked GEMM
+    # (_summed_dx).
     aa = a.astype(dtype)
-    da, r_da = None, FaultReport.zeros()
-    for b, et, dy, f in zip(bs, encs_t, dys, f_da, strict=True):
-        bb = b.astype(dtype)
-        # wᵀ's checksums from the forward where it encoded them with w's (the same values: b in its
-        # own dtype), else encoded here from w in place.
-        enc_bt = et if et is not None and bb.dtype == b.dtype else _encode(bb, policy, transposed=True)
-        d, r = _checked_gemm(dy, bb, enc_bt, policy, f, precision, impl, a.dtype, "dx", b_t=True)
-        da, r_da = (d if da is None else da + d), r_da + r
+    bbs = [b.astype(dtype) for b in bs]
+    # wᵀ's checksums from the forward where it encoded them with w's (the same values: b in its own
+    # dtype), else encoded here from w in place.
+    enc_bts = [
+        et if et is not None and bb.dtype == b.dtype else _encode(bb, policy, transposed=True)
+        for b, bb, et in zip(bs, bbs, encs_t, strict=True)
+    ]
+    if policy.enabled and len(bs) > 1:
+        da, r_da = _summed_dx(dys, bbs, enc_bts, policy, f_da, precision, impl, a.dtype)
+    else:  # one weight; or protection off, where dx sums the products as autodiff sums cotangents
+        da, r_da = None, FaultReport.zeros()
+        for bb, enc_bt, dy, f in zip(bbs, enc_bts, dys, f_da, strict=True):
+            d, r = _checked_gemm(dy, bb, enc_bt, policy, f, precision, impl, a.dtype, "dx", b_t=True)
+            da, r_da = (d if da is None else da + d), r_da + r
     # The reduction over tokens gets its own safety factor (FaultPolicy.lam_dw says why).
     dw_policy = policy.replace(lam=policy.lam_dw)
     dy_encs = [_encode(dy, policy) for dy in dys]
@@ -651,6 +657,28 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
 
 
 _pmm.defvjp(_pmm_fwd, _pmm_bwd)
+
+
+def _summed_dx(dys, bs, encs_t, policy: FaultPolicy, faults, precision, impl, out_dtype):
+    """dx = Σ_i dy_i @ w_iᵀ for the weights of one input, as one checked GEMM over the concatenated
+    contraction: [dy_1 ... dy_n] @ [w_1 ... w_n]ᵀ. Returns ``(dx, FaultReport)``.
+
+    Each product checked on its own and then added (as autodiff sums a shared input's cotangents)
+    would write and check n products of x's size and add them; here one product is written and
+    checked, accumulated in f32 and rounded once. wᵀ's checksum rows are per row of wᵀ, so the
+    concatenation's are the weights' stacked; the check's K is the summed width. The cost: a copy
+    of the weights side by side (and of the dy, where XLA does not write them there directly).
+    ``faults``: one (dx) entry per weight, each site flipped in the one product (their union).
+    """
+    dy = jnp.concatenate(dys, axis=-1)  # (G, R, ΣN)
+    b = jnp.concatenate(bs, axis=-1)  # (G, K, ΣN), read as (G, ΣN, K)ᵀ: b_t
+    enc = WeightChecksums(
+        jnp.concatenate([e.sums for e in encs_t], axis=-3),  # (G, ΣN, nb, 2)
+        jnp.concatenate([e.abs_sums for e in encs_t], axis=-2),  # (G, ΣN, nb)
+    )
+    sites = [f for f in faults if f is not None]
+    union = None if not sites else GemmFaults(*(jnp.concatenate(v) for v in zip(*sites, strict=True)))
+    return _checked_gemm(dy, b, enc, policy, union, precision, impl, out_dtype, "dx", b_t=True)
 
 
 def _prepare(policy, operands, precision, faults, tap):
@@ -711,11 +739,14 @@ def protected_matmuls(
 
     For projections of one input (attention's q, k and v; the MLP's gate and up): x is read once
     for every product's checks (x against the weights' checksum columns side by side), and in the
-    backward once for every weight gradient's (xᵀ against each dy's). The products themselves stay
-    separate GEMMs: no weight is copied. ``ws``: (K, N_i) weights of one dtype; ``encs``: None or a
-    sequence of ``abft_encode(w, policy.block_n)`` (None entries encode on the fly); ``faults``:
-    None or a sequence with one entry per weight, each as :func:`protected_matmul` takes it.
-    ``report`` sums the products' (each counts as one GEMM checked).
+    backward once for every weight gradient's (xᵀ against each dy's). The forward products and the
+    weight gradients stay separate GEMMs; x's gradient, the sum of every weight's dy @ wᵀ, is one
+    checked GEMM over the weights side by side (a copy of them in the backward pass). ``ws``:
+    (K, N_i) weights of one dtype; ``encs``: None or a sequence of ``abft_encode(w,
+    policy.block_n)`` (None entries encode on the fly); ``faults``: None or a sequence with one
+    entry per weight, each as :func:`protected_matmul` takes it (the dx sites of all of them land
+    in the one dx product). ``report`` sums the products' (each counts as one GEMM checked; the
+    summed dx as one).
     """
     ws = tuple(ws)
     n = len(ws)
