@@ -120,8 +120,7 @@ def test_a_fused_low_precision_operand_is_checked_as_the_gemm_saw_it(dtype):
 
     (_, rep), dtap = jax.jit(jax.value_and_grad(f, argnums=4, has_aux=True))(x, wg, wu, wd, ops.zero_tap())
     back = ops.report_from_tap(dtap)
-    # Backward: gate's and up's dx as one summed GEMM, their two dw, down's dx and dw.
-    assert int(rep.gemm_checked) == 3 and int(back.gemm_checked) == 5
+    assert int(rep.gemm_checked) == 3 and int(back.gemm_checked) == 6
     assert int(rep.gemm_detected) == 0 and int(back.gemm_detected) == 0
 
 
@@ -575,7 +574,7 @@ def test_protected_matmuls_equal_separate_products_with_their_faults(dtype):
     number of GEMMs checked in the backward differs: x's gradient is one summed GEMM there, three
     separate ones (then added) here; it is accumulated in f32 and rounded once, so for bf16 it
     differs from the separate sum of three rounded products within their rounding."""
-    m, k, ns = 48, 64, (96, 32, 40)
+    m, k, ns = 48, 64, (96, 32, 32)  # x's gradient one GEMM: copies of 17920 values save 18432
     kx, *kw = jax.random.split(jax.random.key(4), 4)
     x = jax.random.normal(kx, (2, m // 2, k), jnp.float32).astype(dtype)
     ws = [(jax.random.normal(key, (k, n)) / np.sqrt(k)).astype(dtype) for key, n in zip(kw, ns, strict=True)]
@@ -613,7 +612,10 @@ def test_protected_matmuls_equal_separate_products_with_their_faults(dtype):
     )
     back, back0 = ops.report_from_tap(gt).to_dict(), ops.report_from_tap(ht).to_dict()
     assert back0["gemm_checked"] == 6 and back["gemm_checked"] == 4  # 3 dw and 1 summed dx
-    assert {**back, "gemm_checked": 6} == back0
+    # The summed dx holds other values at the flipped sites than the third weight's own dx: where
+    # that one could not locate its flips (recomputed it, f32), the sum located them.
+    assert back["gemm_recomputed"] <= back0["gemm_recomputed"]
+    assert {**back, "gemm_checked": 6, "gemm_recomputed": back0["gemm_recomputed"]} == back0
     assert (back["gemm_detected"], back["gemm_corrected"], back["gemm_uncorrectable"]) == (2, 4, 0)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(hx, np.float32), **tol)
@@ -625,7 +627,8 @@ def test_protected_matmuls_dx_is_one_gemm_over_the_weights_side_by_side():
     """x's gradient through several weights is one GEMM: [dy_1 dy_2 dy_3] @ [w_1 w_2 w_3]ᵀ, its
     contraction the weights' summed width, accumulated in f32 and rounded to bf16 once (the exact
     sum rounded, within one rounding of f32's accumulation); a flip in it, placed by any weight's dx
-    sites, is corrected and reported once."""
+    sites, is corrected and reported once. (Where the copies cost less than the products saved:
+    here 30720 values copied for 2 x 8192.)"""
     m, k, ns = 64, 128, (96, 32, 32)
     kx, kc, *kw = jax.random.split(jax.random.key(7), 5)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -695,8 +698,9 @@ def _eqns(jaxpr):
 def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
     """Where the checks are GEMMs (a GPU: here with the native checks said absent), the forward
     forms every weight's checks with one abft_checks call on x, the backward every weight
-    gradient's with one on xᵀ, and x's gradient (one GEMM over the weights side by side) with one
-    on the dy side by side. Where they are native (a CPU-only process), each product has its own."""
+    gradient's with one on xᵀ (dx's checks stay per weight where each dx is its own GEMM: here the
+    summed one would copy more than it saves). Where they are native (a CPU-only process), each
+    product has its own."""
     from pimlayers.ops import _protected_matmul as pm
 
     monkeypatch.setattr(pm, "checks_native_everywhere", lambda: False)
@@ -712,13 +716,13 @@ def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
     w2 = _xw(16, 32, 32, seed=1)[1]
     f = lambda x, a, b: sum(jnp.sum(y) for y in ops.protected_matmuls(x, (a, b), policy=ROW)[0])
     jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, w1, w2)
-    # Whole rows: one block per product. Forward: x against both (2 blocks); backward: the summed
-    # dx (x's K = 32 columns: one block), dw: xᵀ against both dy's (2 blocks).
-    assert sorted(calls) == sorted([(False, 2), (False, 1), (True, 2)])
+    # Whole rows: one block per product. Forward: x against both (2 blocks); backward: dx per
+    # weight (x's K = 32 columns: one block each), dw: xᵀ against both dy's (2 blocks).
+    assert sorted(calls) == sorted([(False, 2), (False, 1), (False, 1), (True, 2)])
     calls.clear()
     monkeypatch.setattr(pm, "checks_native_everywhere", lambda: True)
     jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, w1, w2)
-    assert sorted(calls) == sorted([(False, 1)] * 3 + [(True, 1)] * 2)
+    assert sorted(calls) == sorted([(False, 1)] * 4 + [(True, 1)] * 2)
 
 
 @pytest.mark.usefixtures("on_cpu")

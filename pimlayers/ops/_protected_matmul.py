@@ -640,9 +640,9 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
         et if et is not None and bb.dtype == b.dtype else _encode(bb, policy, transposed=True)
         for b, bb, et in zip(bs, bbs, encs_t, strict=True)
     ]
-    if policy.enabled and len(bs) > 1:
+    if policy.enabled and _sums_dx(dys, bbs):
         da, r_da = _summed_dx(dys, bbs, enc_bts, policy, f_da, precision, impl, a.dtype)
-    else:  # one weight; or protection off, where dx sums the products as autodiff sums cotangents
+    else:  # each dx checked, then summed as autodiff sums a shared input's cotangents
         da, r_da = None, FaultReport.zeros()
         for bb, enc_bt, dy, f in zip(bbs, enc_bts, dys, f_da, strict=True):
             d, r = _checked_gemm(dy, bb, enc_bt, policy, f, precision, impl, a.dtype, "dx", b_t=True)
@@ -657,6 +657,23 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
 
 
 _pmm.defvjp(_pmm_fwd, _pmm_bwd)
+
+
+def _sums_dx(dys, bs) -> bool:
+    """Whether x's gradient through these weights is one GEMM over them side by side
+    (:func:`_summed_dx`): where the copies that takes, the dy (G, R, ΣN) and the weights (G, K, ΣN)
+    side by side, hold fewer values than the n - 1 products of x's size (G, R, K) it saves, each
+    of which the separate GEMMs write, check and add (about three passes over it). At Llama-3-8B
+    dimensions (R = 8192 tokens, K = 4096) q, k and v copy 75M values to save two products of
+    33.6M (~201M values passed over), gate and up would copy 352M to save one (~101M); so it
+    measured on a 2-core CPU
+    (``python -m benchmarks.rev_ab --case projections --shape 512,512,128,1536``, 2026-12-06: q, k
+    and v's forward and backward 12% faster summed, gate and up's 13% slower)."""
+    if len(bs) < 2:
+        return False
+    g, r, k = dys[0].shape[0], dys[0].shape[1], bs[0].shape[1]
+    width = sum(b.shape[2] for b in bs)
+    return (r + k) * width * g < 3 * (len(bs) - 1) * r * k * g
 
 
 def _summed_dx(dys, bs, encs_t, policy: FaultPolicy, faults, precision, impl, out_dtype):
@@ -741,12 +758,13 @@ def protected_matmuls(
     for every product's checks (x against the weights' checksum columns side by side), and in the
     backward once for every weight gradient's (xᵀ against each dy's). The forward products and the
     weight gradients stay separate GEMMs; x's gradient, the sum of every weight's dy @ wᵀ, is one
-    checked GEMM over the weights side by side (a copy of them in the backward pass). ``ws``:
+    checked GEMM over the weights side by side where the copies that takes are smaller than the
+    products it saves (q, k and v at Llama-3-8B dimensions; ``_sums_dx``). ``ws``:
     (K, N_i) weights of one dtype; ``encs``: None or a sequence of ``abft_encode(w,
     policy.block_n)`` (None entries encode on the fly); ``faults``: None or a sequence with one
     entry per weight, each as :func:`protected_matmul` takes it (the dx sites of all of them land
-    in the one dx product). ``report`` sums the products' (each counts as one GEMM checked; the
-    summed dx as one).
+    in the one dx product where it is one). ``report`` sums the products' (each counts as one GEMM
+    checked; a summed dx as one).
     """
     ws = tuple(ws)
     n = len(ws)
