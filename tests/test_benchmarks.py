@@ -606,6 +606,7 @@ def test_profile_categories_name_where_protection_costs():
         "(pimlayers_redo_detected__4)": "checks: verify, correct, gate, redo",
         "(pimlayers AbftEncodePairKernel)": "checks: weight encodes",
         "(pimlayers ManyKernelFast)": "parameter memory: scrub, guard, repair",
+        "(pimlayers AdamGuardKernel)": profile.OTHER,  # the optimizer, as the unprotected step's
         "pimlayers.abft_checks/convert_element_type": "checks: XLA ops (split terms, counts, flags)",
         "pimlayers.protected_matmuls/reduce": "checks: XLA ops (split terms, counts, flags)",
         "pimlayers.protected_matmul/dot_general": "GEMMs",
