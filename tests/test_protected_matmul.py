@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TraceCounter
+from helpers import TraceCounter, jaxpr_eqns
 from jax.ad_checkpoint import print_saved_residuals
 
 import pimlayers as pl
@@ -663,7 +663,7 @@ def test_protected_matmuls_dx_is_one_gemm_over_the_weights_side_by_side():
     # Every dot that writes an (m, k) product contracts over the summed width: the first product
     # and its recompute on the slow path, no per-weight dx.
     jaxpr = jax.make_jaxpr(jax.grad(loss))(x, ws, ops.zero_tap())
-    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    dots = [e for e, _ in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     widths = [
         e.invars[0].aval.shape[e.params["dimension_numbers"][0][0][0]]
         for e in dots
@@ -682,17 +682,6 @@ def test_protected_matmuls_dx_is_one_gemm_over_the_weights_side_by_side():
     back2 = ops.report_from_tap(gt2).to_dict()
     assert (back2["gemm_checked"], back2["gemm_detected"], back2["gemm_uncorrectable"]) == (4, 1, 0)
     assert back2["gemm_corrected"] >= 1
-
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs inside it (custom rules, loops, branches)."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, tuple | list) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
 
 
 def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):

@@ -667,8 +667,9 @@ def _sums_dx(dys, bs) -> bool:
     dimensions (R = 8192 tokens, K = 4096) q, k and v copy 75M values to save two products of
     33.6M (~201M values passed over), gate and up would copy 352M to save one (~101M); so it
     measured on a 2-core CPU
-    (``python -m benchmarks.rev_ab --case projections --shape 512,512,128,1536``, 2026-12-06: q, k
-    and v's forward and backward 12% faster summed, gate and up's 13% slower)."""
+    (``python -m benchmarks.rev_ab --rev 9c4d950 --case projections --shape 512,512,128,1536``
+    from 245e1d6, which summed both, 2026-12-06: q, k and v's forward and backward 12% faster
+    summed, gate and up's 13% slower)."""
     if len(bs) < 2:
         return False
     g, r, k = dys[0].shape[0], dys[0].shape[1], bs[0].shape[1]
