@@ -5,7 +5,8 @@ python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1 --layers 4 --step
 The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``: the finish's row kernel for
 128-column blocks) once per process, so each variant trains in its own process; the two alternate
 for ``--rounds`` rounds, so a drift of the machine over the run falls on both. Each process trains
-the llama3 suite's protected step without recompute (``benchmarks.llama3.step_config``;
+the llama3 suite's default protected step (``benchmarks.llama3.step_config``; ``--no-recompute``:
+with ``FaultPolicy(recompute=False)``, as the tool ran before 2026-12-06's fifty-fifth session;
 ``--unprotected``: the stock step with cuDNN's attention instead) and reports every step's time
 but the first (which compiles: the training script leaves it out). The rows give each process's
 median step (and its steps) and, per variant, the median of all its steps, with ``vs_base`` = the
@@ -79,11 +80,15 @@ def _child(args) -> None:
     from .llama3 import Step, step_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        step = Step(protect=not args.unprotected, flash="on" if args.unprotected else "auto", recompute=False)
+        flash = "on" if args.unprotected else "auto"
+        step = Step(protect=not args.unprotected, flash=flash, recompute=not args.no_recompute)
         shape = (args.layers, args.steps, 1, args.seq, args.config, args.dtype)
         cfg = step_config(*shape, 5, "gemms", tmp, step)
         s = train(cfg)
-    print("STEP_AB " + json.dumps({"step_seconds": [float(t) for t in s["step_seconds"]]}))
+    # What each process injected and what its checks did with it: a setting that changed the
+    # results (not only the time) shows here.
+    faults = {k: s[k] for k in ("injected", "gemm", "memory")}
+    print("STEP_AB " + json.dumps({"step_seconds": [float(t) for t in s["step_seconds"]], "faults": faults}))
 
 
 def summarize(runs: list[tuple[str, int, list[float]]]) -> list[dict]:
@@ -134,6 +139,7 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="llama3_8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--unprotected", action="store_true", help="the stock step (cuDNN attention)")
+    ap.add_argument("--no-recompute", action="store_true", help="the protected step without recompute")
     ap.add_argument(
         "--attention",
         choices=("fwd", "fwd+bwd"),
@@ -163,24 +169,31 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as cache:
         base_env, variant_env = variant_envs(dict(os.environ), setting, cache, args.own_autotuning)
         variants = [("base", base_env), (" ".join(args.env), variant_env)]
-        runs = []
+        runs, faults = [], []
         for r in range(args.rounds):
             for name, env in variants:
                 out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
                 line = next((x for x in out.stdout.splitlines() if x.startswith("STEP_AB ")), None)
                 if out.returncode != 0 or line is None:
                     raise RuntimeError(f"benchmarks.step_ab: the {name} run failed:\n{out.stderr[-3000:]}")
-                steps = json.loads(line[len("STEP_AB ") :])["step_seconds"]  # the compiling one left out
+                res = json.loads(line[len("STEP_AB ") :])
+                steps = res["step_seconds"]  # the compiling one left out
                 runs.append((name, r, steps))
+                faults.append(res.get("faults"))  # None from the attention child
                 med = 1e3 * np.median(steps)
                 print(f"round {r} {name}: median step {med:.2f} ms over {len(steps)} steps", flush=True)
+                if res.get("faults"):
+                    print(f"  faults: {json.dumps(res['faults'])}", flush=True)
     rows = summarize(runs)
+    for row, f in zip(rows, faults, strict=False):  # the per-process rows come first
+        if f:
+            row["faults"] = f
     for row in rows:
         print(
             "  ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in row.items()
-                if k != "steps_ms"
+                if k not in ("steps_ms", "faults")
             )
         )
     print(

@@ -21,6 +21,23 @@ __all__ = ["PlatformInfo", "has_native", "native_info"]
 # XLA platform names, as jax.ffi.register_ffi_target and lax.platform_dependent spell them.
 _MODULES = {"cpu": ("_pimlayers_cpu", "cpu"), "cuda": ("_pimlayers_cuda", "CUDA")}
 
+# CUDA handlers XLA may record into its command buffers (CUDA graphs) with the kernels around them.
+# A handler not marked so ends the graph it would sit in: the graph before it is launched, then the
+# handler, then the next graph, each a launch the host must keep ahead of the device. Marked here:
+# the handlers of every protected GEMM (a 4-layer Llama-3 step launches ~140 of them), which enqueue
+# the same kernels (and device-to-device copies) for the same attributes and never read device data
+# on the host. Not marked: the bank guards, the scrub and the fused AdamW update, whose handlers
+# copy a table of their leaves from host memory and take scratch memory per call (a graph replayed
+# later would read a table freed since), and the handlers no training step runs on a GPU.
+# Opt-in (PIMLAYERS_COMMAND_BUFFERS=1, read once at import): on an H100 (2026-12-06, `python -m
+# benchmarks.step_ab --env PIMLAYERS_COMMAND_BUFFERS=1`, step-ab-s55cb) XLA then ran 99 of the
+# 4-layer step's 108 ms of kernels as one command buffer and the device idled 1.02 ms inside the
+# step against 1.60 (profile-protect-s55cb, -s55), yet the step's time did not change beyond its
+# +-3 ms spread (the non-repair steps' means 110.0 ms against 109.5, fault counts the same).
+COMMAND_BUFFER_TARGETS = frozenset(
+    {"pimlayers_abft_check", "pimlayers_abft_finish", "pimlayers_abft_encode", "pimlayers_abft_encode_pair"}
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class PlatformInfo:
@@ -50,11 +67,24 @@ def _load(platform: str) -> PlatformInfo:
     names = []
     try:
         for name, capsule in module.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
+            jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, **_traits(platform, name))
             names.append(name)
     except Exception as err:  # a jaxlib that rejects the handlers must not break the library
         return PlatformInfo(platform, False, reason=f"registering with XLA failed: {err}")
     return PlatformInfo(platform, True, tuple(sorted(names)))
+
+
+def _traits(platform: str, name: str) -> dict:
+    """The traits XLA registers target ``name`` of ``platform`` with: command-buffer compatible for
+    the CUDA handlers of :data:`COMMAND_BUFFER_TARGETS` where PIMLAYERS_COMMAND_BUFFERS=1."""
+    if platform != "cuda" or name not in COMMAND_BUFFER_TARGETS:
+        return {}
+    if os.environ.get("PIMLAYERS_COMMAND_BUFFERS", "0") != "1":
+        return {}
+    from jax._src.lib import xla_client
+
+    trait = getattr(getattr(xla_client, "CustomCallTargetTraits", None), "COMMAND_BUFFER_COMPATIBLE", None)
+    return {} if trait is None else {"traits": trait}
 
 
 _INFO: dict[str, PlatformInfo] = {p: _load(p) for p in _MODULES}

@@ -1244,6 +1244,35 @@ def test_step_ab_times_the_attention_core_per_variant(tmp_path, monkeypatch, cap
     assert "round 0 base: median step" in capsys.readouterr().out
 
 
+def test_step_ab_keeps_each_process_fault_counts_with_its_row(tmp_path, monkeypatch, capsys):
+    # The parent's side alone (a training child takes ~25 s on a CPU): what each child reports it
+    # injected and caught lands in that child's row and its printout; the pooled rows carry none.
+    import json
+    import types
+
+    from benchmarks import _harness, step_ab
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    seen, real_run = iter(range(1, 5)), step_ab.subprocess.run
+
+    def child(cmd, *args, **kw):
+        if "benchmarks.step_ab" not in cmd:  # the results file's git lookups
+            return real_run(cmd, *args, **kw)
+        n = next(seen)
+        faults = {"injected": {"gemm_injected": n}, "gemm": {"gemm_detected": n}, "memory": {}}
+        out = "STEP_AB " + json.dumps({"step_seconds": [0.1, 0.1 + n / 1e3], "faults": faults})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    monkeypatch.setattr(step_ab.subprocess, "run", child)
+    step_ab.main(["--env", "PIMLAYERS_TEST_AB=1", "--rounds", "2", "--tag", "faults"])
+    (path,) = tmp_path.glob("*-step-ab-faults-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["faults"]["gemm"]["gemm_detected"] for r in rows[:4]] == [1, 2, 3, 4]
+    assert [r["variant"] for r in rows[:4]] == ["base", "PIMLAYERS_TEST_AB=1"] * 2
+    assert all("faults" not in r for r in rows[4:])
+    assert '"gemm_detected": 3' in capsys.readouterr().out
+
+
 def test_rev_ab_summary_takes_medians_over_rounds_against_the_working_tree():
     from benchmarks import rev_ab
 

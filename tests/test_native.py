@@ -81,3 +81,20 @@ def test_auto_calls_the_one_branch_every_present_platform_picks(monkeypatch):
     # jax without the listing: the switch stays for every op.
     monkeypatch.setattr(_dispatch, "present_platforms", lambda: frozenset())
     assert "platform_index" in _prims(sums, x[:2])
+
+
+def test_the_protected_gemms_cuda_handlers_alone_are_registered_for_command_buffers(monkeypatch):
+    # XLA records a handler into its CUDA graphs only when it was registered with the trait; the
+    # guards, the scrub and the fused update copy host tables per call and must never be recorded.
+    from pimlayers import _native
+
+    assert not any(_native._traits("cuda", n) for n in _native.COMMAND_BUFFER_TARGETS)  # opt-in
+    monkeypatch.setenv("PIMLAYERS_COMMAND_BUFFERS", "1")
+    trait = {n: _native._traits("cuda", n) for n in pl.native_info()["cpu"].targets}
+    marked = {n for n, t in trait.items() if t}
+    assert marked == {"pimlayers_abft_check", "pimlayers_abft_finish", "pimlayers_abft_encode"}
+    assert _native._traits("cuda", "pimlayers_abft_encode_pair")  # a CUDA-only handler
+    assert all(int(t["traits"]) == 1 for t in trait.values() if t)  # COMMAND_BUFFER_COMPATIBLE
+    assert not any(_native._traits("cpu", n) for n in trait)  # a CPU program has no command buffers
+    monkeypatch.setenv("PIMLAYERS_COMMAND_BUFFERS", "0")
+    assert not any(_native._traits("cuda", n) for n in _native.COMMAND_BUFFER_TARGETS)
