@@ -8,7 +8,10 @@ for ``--rounds`` rounds, so a drift of the machine over the run falls on both. E
 the llama3 suite's default protected step (``benchmarks.llama3.step_config``; ``--no-recompute``:
 with ``FaultPolicy(recompute=False)``, as the tool ran before 2026-12-06's fifty-fifth session;
 ``--unprotected``: the stock step with cuDNN's attention instead) and reports every step's time
-but the first (which compiles: the training script leaves it out). The rows give each process's
+but the first (which compiles: the training script leaves it out); ``--flip-every`` sets how often
+parameter flips are injected (5, as the suite; in 6-step runs of the 4-layer step on an H100,
+2026-12-06, each process's one repair step took ~230 ms against ~110, so short runs want 0). The
+rows give each process's
 median step (and its steps) and, per variant, the median of all its steps, with ``vs_base`` = the
 base variant's median / this one's (> 1: faster). On an H200 (2026-12-03) the medians of processes
 running the same code differed by up to 9 ms in a 120 ms step (each process autotuning its own
@@ -83,7 +86,7 @@ def _child(args) -> None:
         flash = "on" if args.unprotected else "auto"
         step = Step(protect=not args.unprotected, flash=flash, recompute=not args.no_recompute)
         shape = (args.layers, args.steps, 1, args.seq, args.config, args.dtype)
-        cfg = step_config(*shape, 5, "gemms", tmp, step)
+        cfg = step_config(*shape, args.flip_every, "gemms", tmp, step)
         s = train(cfg)
     # What each process injected and what its checks did with it: a setting that changed the
     # results (not only the time) shows here.
@@ -140,6 +143,12 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--unprotected", action="store_true", help="the stock step (cuDNN attention)")
     ap.add_argument("--no-recompute", action="store_true", help="the protected step without recompute")
+    ap.add_argument(
+        "--flip-every",
+        type=int,
+        default=5,
+        help="parameter flips every N steps (0: none; a step that repairs them takes twice a step or more)",
+    )
     ap.add_argument(
         "--attention",
         choices=("fwd", "fwd+bwd"),
