@@ -11,9 +11,9 @@ with ``FaultPolicy(recompute=False)``, as the tool ran before 2026-12-06's fifty
 but the first (which compiles: the training script leaves it out); ``--flip-every`` sets how often
 parameter flips are injected (5, as the suite; in 6-step runs of the 4-layer step on an H100,
 2026-12-06, each process's one repair step took ~230 ms against ~110, so short runs want 0). The
-rows give each process's
-median step (and its steps) and, per variant, the median of all its steps, with ``vs_base`` = the
-base variant's median / this one's (> 1: faster). On an H200 (2026-12-03) the medians of processes
+rows give each process's median step (and its steps, and what it injected and detected) and, per
+variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
+(> 1: faster). On an H200 (2026-12-03) the medians of processes
 running the same code differed by up to 9 ms in a 120 ms step (each process autotuning its own
 GEMMs, as the tool then had them do): resolving a change of a few ms takes several rounds. The
 processes now share XLA's autotuning results (``--xla_gpu_per_fusion_autotune_cache_dir``, a
@@ -173,6 +173,8 @@ def main(argv=None) -> None:
         setting[name] = value
     if not setting:
         raise ValueError("benchmarks.step_ab: give the variant's setting with --env NAME=VALUE")
+    if args.flip_every < 0:
+        raise ValueError(f"benchmarks.step_ab: --flip-every {args.flip_every}; expected >= 0 (0: no flips)")
     argv = sys.argv[1:] if argv is None else list(argv)
     child = [sys.executable, "-m", "benchmarks.step_ab", "--child", *(a for a in argv if a != "--child")]
     with tempfile.TemporaryDirectory() as cache:

@@ -1218,6 +1218,8 @@ def test_step_ab_refuses_a_setting_that_is_not_name_equals_value():
         step_ab.main(["--env", "PIMLAYERS_ABFT_ROW_KERNEL"])
     with pytest.raises(ValueError, match="give the variant's setting"):
         step_ab.main([])
+    with pytest.raises(ValueError, match="--flip-every -1"):
+        step_ab.main(["--env", "A=1", "--flip-every", "-1"])
 
 
 def test_step_ab_times_the_attention_core_per_variant(tmp_path, monkeypatch, capsys):

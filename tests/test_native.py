@@ -88,6 +88,7 @@ def test_the_protected_gemms_cuda_handlers_alone_are_registered_for_command_buff
     # guards, the scrub and the fused update copy host tables per call and must never be recorded.
     from pimlayers import _native
 
+    monkeypatch.delenv("PIMLAYERS_COMMAND_BUFFERS", raising=False)
     assert not any(_native._traits("cuda", n) for n in _native.COMMAND_BUFFER_TARGETS)  # opt-in
     monkeypatch.setenv("PIMLAYERS_COMMAND_BUFFERS", "1")
     trait = {n: _native._traits("cuda", n) for n in pl.native_info()["cpu"].targets}
