@@ -99,3 +99,27 @@ def test_the_protected_gemms_cuda_handlers_alone_are_registered_for_command_buff
     assert not any(_native._traits("cpu", n) for n in trait)  # a CPU program has no command buffers
     monkeypatch.setenv("PIMLAYERS_COMMAND_BUFFERS", "0")
     assert not any(_native._traits("cuda", n) for n in _native.COMMAND_BUFFER_TARGETS)
+
+
+def test_loading_the_cuda_handlers_passes_their_traits_to_xla(monkeypatch):
+    # The wiring, not only _traits: what _load hands jax.ffi.register_ffi_target per target.
+    import importlib
+
+    import jax
+    import pytest
+
+    from pimlayers import _native
+
+    try:
+        importlib.import_module("pimlayers._pimlayers_cuda")
+    except ImportError as err:
+        pytest.skip(f"the CUDA extension is not built here: {err}")
+    seen = {}
+    record = lambda name, capsule, platform, **kw: seen.update({name: kw})
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", record)
+    monkeypatch.setenv("PIMLAYERS_COMMAND_BUFFERS", "1")
+    assert _native._load("cuda").loaded
+    assert {n for n, kw in seen.items() if kw.get("traits")} == _native.COMMAND_BUFFER_TARGETS
+    monkeypatch.setenv("PIMLAYERS_COMMAND_BUFFERS", "0")
+    seen.clear()
+    assert _native._load("cuda").loaded and seen and not any(seen.values())

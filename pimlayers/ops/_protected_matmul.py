@@ -665,11 +665,11 @@ def _sums_dx(dys, bs) -> bool:
     side by side, hold fewer values than the n - 1 products of x's size (G, R, K) it saves, each
     of which the separate GEMMs write, check and add (about three passes over it). At Llama-3-8B
     dimensions (R = 8192 tokens, K = 4096) q, k and v copy 75M values to save two products of
-    33.6M (~201M values passed over), gate and up would copy 352M to save one (~101M); so it
-    measured on a 2-core CPU
-    (``python -m benchmarks.rev_ab --rev 9c4d950 --case projections --shape 512,512,128,1536``
-    from 245e1d6, which summed both, 2026-12-06: q, k and v's forward and backward 12% faster
-    summed, gate and up's 13% slower)."""
+    33.6M (~201M values passed over), gate and up would copy 352M to save one (~101M). So it
+    measured (``python -m benchmarks.rev_ab --rev 245e1d6 --rev 9c4d950 --case projections``:
+    this rule, always summed, never; 2026-12-06): on an H100 q, k and v's forward and backward
+    4.1% faster summed, gate and up's 3.9% slower (rev-ab-s54sumdx); on a 2-core CPU (``--shape
+    512,512,128,1536``) 12% and 13% (rev-ab-cpu-s54sumdx)."""
     if len(bs) < 2:
         return False
     g, r, k = dys[0].shape[0], dys[0].shape[1], bs[0].shape[1]
