@@ -297,3 +297,23 @@ def test_a_block_of_subnormal_values_flushed_by_the_gemm_is_not_a_fault(impl):
     bad = y.at[0, 5].set(0.5)  # a real error in that row: located and rebuilt (to ~0)
     out, flags, _ = jax.jit(lambda v: ops.abft_finish(v, c, mag, **kw))(bad)
     assert int(flags[0, 0]) == ops.ABFT_CORRECTED and abs(float(out[0, 5])) < 1e-30
+
+
+@pytest.mark.parametrize("terms", [1, 2, 3])
+def test_split_parts_lay_out_each_term_as_its_own_columns(terms):
+    # _split_parts forms the terms in one elementwise map (one kernel on a GPU): bit for bit the
+    # casts of the heads side by side, term-major, as the check GEMMs' columns are read back.
+    from pimlayers.ops._abft import _bf16_head, _split_parts
+
+    rng = np.random.default_rng(terms)
+    v = rng.standard_normal((3, 5, 7)) * 10.0 ** rng.integers(-6, 6, (3, 5, 7))
+    v = jnp.asarray(v, jnp.float32).at[0, 0, :3].set(jnp.asarray([0.0, -0.0, 1e-40]))
+    heads, rest = [], v
+    for _ in range(terms):
+        head = _bf16_head(rest)
+        heads.append(head.astype(jnp.bfloat16))
+        rest = rest - head
+    expected = np.concatenate([np.asarray(h) for h in heads], axis=-1)
+    got = jax.jit(_split_parts, static_argnums=1)(v, terms)
+    assert got.shape == (3, 5, 7 * terms) and got.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got).view(np.uint16), expected.view(np.uint16))

@@ -684,6 +684,68 @@ def test_protected_matmuls_dx_is_one_gemm_over_the_weights_side_by_side():
     assert back2["gemm_corrected"] >= 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_protected_matmuls_weight_gradients_are_one_gemm_where_dx_is(dtype):
+    """Where x's gradient is one GEMM over the dy side by side and every weight's width holds whole
+    checksum blocks, the weight gradients are one checked GEMM too, xᵀ @ [dy_1 dy_2 dy_3], split
+    into the weights' columns: the values of the separate products (each column's dot is the same
+    one), flips in the first and third weights' dw sites corrected at their own places and
+    reported as the separate products report them (detections count products: one here, two
+    there), two GEMMs checked in the backward (the summed dx and the merged dw) where separate
+    calls check six."""
+    m, k, ns = 64, 128, (96, 32, 32)
+    pol = FaultPolicy(block_n=32)
+    kx, kc, *kw = jax.random.split(jax.random.key(9), 5)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    ws = [(jax.random.normal(key, (k, n)) / np.sqrt(k)).astype(dtype) for key, n in zip(kw, ns, strict=True)]
+    cts = [jax.random.normal(key, (m, n)) for key, n in zip(jax.random.split(kc, 3), ns, strict=True)]
+    faults = ((None, None, _sites(k, ns[0], 2)), None, (None, None, _sites(k, ns[2], 5)))
+
+    def loss(fn, x, ws, tap, faults):
+        ys = fn(x, ws, tap, faults)
+        return sum(jnp.sum(y.astype(jnp.float32) * c) for y, c in zip(ys, cts, strict=True))
+
+    def shared(x, ws, tap, faults):
+        return ops.protected_matmuls(x, ws, policy=pol, faults=faults, tap=tap)[0]
+
+    def separate(x, ws, tap, faults):
+        return [
+            ops.protected_matmul(x, w, policy=pol, faults=f, tap=tap)[0]
+            for w, f in zip(ws, faults, strict=True)
+        ]
+
+    grad = lambda fn, f: jax.jit(jax.grad(functools.partial(loss, fn, faults=f), argnums=(1, 2)))
+    gw, gt = grad(shared, faults)(x, ws, ops.zero_tap())
+    hw, ht = grad(separate, faults)(x, ws, ops.zero_tap())
+    clean, _ = grad(separate, (None,) * 3)(x, ws, ops.zero_tap())
+    back, back0 = ops.report_from_tap(gt).to_dict(), ops.report_from_tap(ht).to_dict()
+    assert (back["gemm_checked"], back0["gemm_checked"]) == (2, 6)
+    # Detections count products: the one merged product held both weights' flipped blocks.
+    assert (back["gemm_detected"], back0["gemm_detected"]) == (1, 2)
+    assert back["gemm_corrected"] == back0["gemm_corrected"] >= 2 and back["gemm_uncorrectable"] == 0
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for a, b, c, w in zip(gw, hw, clean, ws, strict=True):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), **tol)
+    # Detected only (nothing corrected), each flip stays where it landed: in its own weight's
+    # gradient, at the site the separate product has it.
+    pol = FaultPolicy(block_n=32, mode="detect")
+    gw, _ = grad(shared, faults)(x, ws, ops.zero_tap())
+    hw, _ = grad(separate, faults)(x, ws, ops.zero_tap())
+    hit = lambda a, c: np.argwhere(np.abs(np.asarray(a, np.float32) - np.asarray(c, np.float32)) > 1.0)
+    for i, (a, b, c) in enumerate(zip(gw, hw, clean, strict=True)):
+        assert np.array_equal(hit(a, c), hit(b, c)) and (len(hit(a, c)) > 0) == (i != 1)
+    # One dot writes every weight gradient: (k, ΣN), contracting over the m tokens.
+    jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss, shared, faults=None), argnums=1))(
+        x, ws, ops.zero_tap()
+    )
+    outs = [
+        e.outvars[0].aval.shape[-2:] for e, _ in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+    ]
+    assert (k, sum(ns)) in outs and not any(o in outs for o in ((k, 96), (k, 32)))
+
+
 def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
     """Where the checks are GEMMs (a GPU: here with the native checks said absent), the forward
     forms every weight's checks with one abft_checks call on x, the backward every weight

@@ -619,13 +619,25 @@ def _dot_x_split(x, w: Array, transposed: bool, split: int) -> Array:
 
 def _split_parts(w: Float[Array, "*g k c"], terms: int) -> Array:
     """w's ``terms`` bf16 parts side by side, (*g, K, terms * c), largest first: their sum is w up
-    to 2^-8 per term of each value (f32's 24 bits with three)."""
-    parts, rest = [], w
+    to 2^-8 per term of each value (f32's 24 bits with three).
+
+    Formed as one elementwise map over (*g, K, terms, c), each output value picking its term by
+    the term axis' index, then a reshape (a bitcast): not as ``terms`` casts and a concatenation,
+    which XLA on the GPU left as separate kernels (a multi-output convert fusion, then a
+    concatenation; with the dw checks of gate and up a concatenation of the two sums before them):
+    three launches over arrays of 8192 rows where one elementwise kernel does."""
+    heads, rest = [], w
     for _ in range(terms):
         head = _bf16_head(rest)
-        parts.append(head.astype(jnp.bfloat16))  # exact: head is a bf16 value
+        heads.append(head)
         rest = rest - head  # exact in f32
-    return jnp.concatenate(parts, axis=-1)
+    shape = (*w.shape[:-1], terms, w.shape[-1])
+    which = lax.broadcasted_iota(jnp.int32, shape, w.ndim - 1)
+    out = jnp.broadcast_to(jnp.expand_dims(heads[-1], -2), shape)
+    for t in range(terms - 2, -1, -1):
+        out = jnp.where(which == t, jnp.expand_dims(heads[t], -2), out)
+    # Exact: every head is a bf16 value.
+    return out.astype(jnp.bfloat16).reshape(*w.shape[:-1], terms * w.shape[-1])
 
 
 def _sum_terms(y: Float[Array, "*m tc"], terms: int, cols: int) -> Float[Array, "*m c"]:
