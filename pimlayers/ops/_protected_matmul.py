@@ -610,6 +610,8 @@ def _forward(a, bs, encs, faults, policy, precision, impl, out_dtype, with_trans
     """The checked forward products (and, per weight, wᵀ's checksums or None: :func:`_encodes`)."""
     fwd_faults = tuple(None if f is None else f[0] for f in faults)
     filled, encs_t = _encodes(bs, encs, policy, with_transposes)
+    if _merges_forward(a, bs, policy, out_dtype, impl):
+        return _merged_forward(a, bs, filled, policy, fwd_faults, precision, impl, out_dtype), encs_t
     return _checked_gemms(a, bs, filled, policy, fwd_faults, precision, impl, out_dtype), encs_t
 
 
@@ -642,7 +644,9 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     ]
     summed = policy.enabled and _sums_dx(dys, bbs)
     if summed:
-        dy_all = jnp.concatenate(dys, axis=-1)  # (G, R, ΣN): the summed dx's operand, and dw's
+        # (G, R, ΣN): the summed dx's operand, and dw's. Written once: without the barrier XLA
+        # formed the concatenation twice, once for each GEMM that reads it (profile-protect-s56).
+        dy_all = lax.optimization_barrier(jnp.concatenate(dys, axis=-1))
         da, r_da = _summed_dx(dy_all, bbs, enc_bts, policy, f_da, precision, impl, a.dtype)
     else:  # each dx checked, then summed as autodiff sums a shared input's cotangents
         da, r_da = None, FaultReport.zeros()
@@ -708,11 +712,17 @@ def _summed_dx(dy, bs, encs_t, policy: FaultPolicy, faults, precision, impl, out
 
 def _merges_dw(dys, bs, policy: FaultPolicy) -> bool:
     """Whether the weight gradients of a summed dx are one GEMM over its concatenated dy
-    (:func:`_merged_dw`): checksum blocks of ``block_n`` columns that each weight's width holds
-    whole (so the blocks, their checks and what a fault in one can reach are each weight's own),
-    and weights of one dtype (one product)."""
+    (:func:`_merged_dw`): where each weight's width holds whole checksum blocks
+    (:func:`_whole_blocks`) and the weights share one dtype (one product)."""
+    return _whole_blocks([dy.shape[-1] for dy in dys], policy) and len({b.dtype for b in bs}) == 1
+
+
+def _whole_blocks(widths, policy: FaultPolicy) -> bool:
+    """Whether products of these widths side by side hold each one's checksum blocks whole (blocks of
+    ``block_n`` columns dividing every width): then every block of the one product, its check and
+    what a fault in it can reach, are one weight's own, as in its own product."""
     bn = policy.block_n
-    return bn is not None and all(dy.shape[-1] % bn == 0 for dy in dys) and len({b.dtype for b in bs}) == 1
+    return bn is not None and all(w % bn == 0 for w in widths)
 
 
 def _merged_dw(a, dy, dys, policy: FaultPolicy, faults, precision, impl, out_dtype):
@@ -724,18 +734,62 @@ def _merged_dw(a, dy, dys, policy: FaultPolicy, faults, precision, impl, out_dty
     side by side (a second one beside the summed dx's; 0.27 ms of a 4-layer Llama-3-8B-dimension
     step on an H100, profile-protect-s55), and each product still had its own encode of dy, check
     and redo launch. Here the summed dx's copy serves both, and one encode, check GEMM, check and
-    redo cover the three. Every block lies within one weight's columns (:func:`_merges_dw`), so
-    each is checked, corrected and recomputed as in its own product. ``faults``: one (dw) entry per
-    weight, its columns shifted to the weight's place in the product (their union)."""
+    redo cover the three (:func:`_merged_gemm`)."""
     widths = [d.shape[-1] for d in dys]
+    return _merged_gemm(
+        a, dy, _encode(dy, policy), widths, policy, faults, precision, impl, out_dtype, "dw", True
+    )
+
+
+def _merges_forward(a, bs, policy: FaultPolicy, out_dtype, impl: str) -> bool:
+    """Whether the forward products of one input are one GEMM over the weights side by side
+    (:func:`_merged_forward`): where x's gradient is (the copy of the weights is then made anyway,
+    :func:`_sums_dx`), every weight's width holds whole checksum blocks, and no product takes the
+    fused kernel (which forms its own checks per product)."""
+    widths = [b.shape[2] for b in bs]
+    return (
+        policy.enabled
+        and _sums_dx([a], bs)
+        and _whole_blocks(widths, policy)
+        and not any(_fused_applies(a, b, policy, out_dtype, impl, False, False) for b in bs)
+    )
+
+
+def _merged_forward(a, bs, encs, policy: FaultPolicy, faults, precision, impl, out_dtype):
+    """y_i = x @ w_i for the weights of one input as one checked GEMM, x @ [w_1 ... w_n], split
+    into the weights' column ranges (their checksum columns side by side, as the shared check GEMM
+    reads them). Returns ``(tuple of y_i, FaultReport)``.
+
+    XLA merged the separate forward GEMMs of q, k and v into one itself, then copied each product
+    out of its output for its own check (0.44 ms of copies in a 4-layer Llama-3-8B-dimension step
+    on an H100, profile-protect-s55; 0.29 in the unprotected one), each product checked, redone
+    and tallied by launches of its own. Here one product is checked as a whole and its slices
+    reach their consumers (attention's rotary embedding) as views. The weights side by side are the
+    summed dx's copy (:func:`_summed_dx`)."""
+    # (G, K, ΣN), written once: without the barrier XLA formed it twice, for the GEMM and for the
+    # redo kernel that reads it (profile-protect-s56).
+    b = lax.optimization_barrier(jnp.concatenate(bs, axis=-1))
+    enc = WeightChecksums(
+        jnp.concatenate([e.sums for e in encs], axis=-2),  # (G, K, Σnb, 2)
+        jnp.concatenate([e.abs_sums for e in encs], axis=-1),  # (G, K, Σnb)
+    )
+    widths = [w.shape[2] for w in bs]
+    return _merged_gemm(a, b, enc, widths, policy, faults, precision, impl, out_dtype, "y", False)
+
+
+def _merged_gemm(a, b, enc, widths, policy: FaultPolicy, faults, precision, impl, out_dtype, role, a_t):
+    """One checked GEMM of products side by side (``b`` their operands' columns concatenated, ``enc``
+    its checksum columns), split into their column ranges ``widths``: ``(tuple of products,
+    FaultReport)``, counted as one GEMM. Every block lies within one product's columns
+    (:func:`_whole_blocks`), so each is checked, corrected and recomputed as in its own product.
+    ``faults``: one entry per product, its columns shifted to the product's place (their union)."""
     offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
     sites = [f._replace(cols=f.cols + o) for f, o in zip(faults, offsets, strict=True) if f is not None]
     union = None if not sites else GemmFaults(*(jnp.concatenate(v) for v in zip(*sites, strict=True)))
-    enc = _encode(dy, policy)
-    (dw,), report = _checked_gemms(
-        a, (dy,), (enc,), policy, (union,), precision, impl, out_dtype, "dw", a_t=True
+    (y,), report = _checked_gemms(
+        a, (b,), (enc,), policy, (union,), precision, impl, out_dtype, role, a_t=a_t
     )
-    return tuple(dw[..., o : o + w] for o, w in zip(offsets, widths, strict=True)), report
+    return tuple(y[..., o : o + w] for o, w in zip(offsets, widths, strict=True)), report
 
 
 def _prepare(policy, operands, precision, faults, tap):
