@@ -850,15 +850,18 @@ def protected_matmuls(
 
     For projections of one input (attention's q, k and v; the MLP's gate and up): x is read once
     for every product's checks (x against the weights' checksum columns side by side), and in the
-    backward once for every weight gradient's (xᵀ against each dy's). The forward products and the
-    weight gradients stay separate GEMMs; x's gradient, the sum of every weight's dy @ wᵀ, is one
-    checked GEMM over the weights side by side where the copies that takes are smaller than the
-    products it saves (q, k and v at Llama-3-8B dimensions; ``_sums_dx``). ``ws``:
+    backward once for every weight gradient's (xᵀ against each dy's). x's gradient, the sum of
+    every weight's dy @ wᵀ, is one checked GEMM over the weights side by side where the copies that
+    takes are smaller than the products it saves (q, k and v at Llama-3-8B dimensions;
+    ``_sums_dx``); there, where each weight's width holds whole checksum blocks, the forward products
+    and the weight gradients are one checked GEMM each too, split into the weights' columns
+    (``_merged_forward``, ``_merged_dw``); elsewhere they are separate GEMMs. ``ws``:
     (K, N_i) weights of one dtype; ``encs``: None or a sequence of ``abft_encode(w,
     policy.block_n)`` (None entries encode on the fly); ``faults``: None or a sequence with one
     entry per weight, each as :func:`protected_matmul` takes it (the dx sites of all of them land
     in the one dx product where it is one). ``report`` sums the products' (each counts as one GEMM
-    checked; a summed dx as one).
+    checked; a summed dx, a merged forward or weight gradient as one, and a detection in it as one
+    product's).
     """
     ws = tuple(ws)
     n = len(ws)
