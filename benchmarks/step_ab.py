@@ -1,6 +1,8 @@
-"""The training step with and without an environment setting, side by side in one run.
+"""The training step with and without an environment setting (or with another revision's code),
+side by side in one run.
 
 python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1 --layers 4 --steps 10 --rounds 2
+python -m benchmarks.step_ab --rev 9475388 --layers 4 --steps 8 --rounds 3 --flip-every 0
 
 The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``: the finish's row kernel for
 128-column blocks) once per process, so each variant trains in its own process; the two alternate
@@ -21,6 +23,17 @@ temporary folder; ``--own-autotuning`` for the old behaviour), so the GEMMs and 
 autotunes get the same choices in every process; whether that narrows the spread is not yet
 measured. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
 
+``--rev REV`` (instead of ``--env``; repeatable) times code instead of a setting: the working tree's
+``pimlayers`` package against each revision's (a git revision, or a folder holding a package),
+exported and imported as ``benchmarks.rev_ab`` does it (each with this environment's built
+extension modules, so a revision must not predate a change to the native handlers' interfaces;
+each child reports the package it imported and the parent refuses one that imported another), with
+this tree's training script and timing code. For a change to the step too small for the step's
+kernel time to resolve between sessions: on an H100 (2026-12-06) the same code profiled in two
+processes gave 108.07 and 107.97 ms of kernels, its cuBLAS kernels 56.14 and 54.49 ms
+(profile-protect-s56, -s56rep), as XLA chose other GEMM algorithms; here every process reuses the
+first one's autotuning.
+
 ``--attention fwd`` (or ``fwd+bwd``) times the protected attention core instead of a training step:
 ``layers.attention_core`` with the default FaultPolicy (its recompute included: since the later runs
 of 2026-12-05 the device redo, before a loop) at one Llama-3-8B layer's attention (B = 1, T =
@@ -36,15 +49,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
-from ._harness import command_line, write_result
+from ._harness import ROOT, command_line, write_result
 
 __all__ = ["main", "summarize", "variant_envs"]
+
+_PKG = "STEP_AB_PIMLAYERS "
+# A --rev variant's child: its own exported package first on the path, this tree's benchmarks and
+# train after it, site processing off and the site folders appended (as benchmarks.rev_ab's
+# children: an editable install's import hook would map pimlayers to this tree whatever the path).
+_REV_CHILD = f"""
+import json, sys
+cfg = json.loads(sys.argv[1])
+sys.path[:0] = [cfg["tree"], cfg["root"]]
+sys.path += cfg["site"]
+import pimlayers
+print({_PKG!r} + pimlayers.__file__, flush=True)
+from benchmarks.step_ab import main
+main(cfg["argv"])
+"""
 
 
 def _attention_child(args) -> None:
@@ -135,6 +164,13 @@ def variant_envs(environ: dict, setting: dict, cache: str, own_autotuning: bool)
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="the variant's setting")
+    ap.add_argument(
+        "--rev",
+        action="append",
+        default=[],
+        help="a git revision (or a folder holding a pimlayers package) whose package is a variant "
+        "against the working tree's (instead of --env)",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10, help="steps per process (the first is left out)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -171,22 +207,33 @@ def main(argv=None) -> None:
         if not sep or not name:
             raise ValueError(f"benchmarks.step_ab: --env {kv!r}; expected NAME=VALUE")
         setting[name] = value
-    if not setting:
-        raise ValueError("benchmarks.step_ab: give the variant's setting with --env NAME=VALUE")
+    if bool(setting) == bool(args.rev):
+        raise ValueError(
+            "benchmarks.step_ab: give the variant's setting with --env NAME=VALUE, or revisions to time "
+            "against the working tree with --rev REV (not both)"
+        )
     if args.flip_every < 0:
         raise ValueError(f"benchmarks.step_ab: --flip-every {args.flip_every}; expected >= 0 (0: no flips)")
     argv = sys.argv[1:] if argv is None else list(argv)
-    child = [sys.executable, "-m", "benchmarks.step_ab", "--child", *(a for a in argv if a != "--child")]
-    with tempfile.TemporaryDirectory() as cache:
+    child_argv = ["--child", *_without_revs(a for a in argv if a != "--child")]
+    child = [sys.executable, "-m", "benchmarks.step_ab", *child_argv]
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = os.path.join(tmp, "autotune")
+        os.mkdir(cache)
         base_env, variant_env = variant_envs(dict(os.environ), setting, cache, args.own_autotuning)
-        variants = [("base", base_env), (" ".join(args.env), variant_env)]
+        if args.rev:
+            variants = _rev_variants(args.rev, pathlib.Path(tmp), base_env, child_argv)
+        else:
+            variants = [("base", child, base_env, None), (" ".join(args.env), child, variant_env, None)]
         runs, faults = [], []
         for r in range(args.rounds):
-            for name, env in variants:
-                out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
+            for name, cmd, env, tree in variants:
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 line = next((x for x in out.stdout.splitlines() if x.startswith("STEP_AB ")), None)
                 if out.returncode != 0 or line is None:
                     raise RuntimeError(f"benchmarks.step_ab: the {name} run failed:\n{out.stderr[-3000:]}")
+                if tree is not None:
+                    _check_package(name, out.stdout, tree)
                 res = json.loads(line[len("STEP_AB ") :])
                 steps = res["step_seconds"]  # the compiling one left out
                 runs.append((name, r, steps))
@@ -211,6 +258,45 @@ def main(argv=None) -> None:
         "wrote",
         write_result("step-ab", rows, command_line("benchmarks.step_ab"), tag=args.tag, note=args.note),
     )
+
+
+def _without_revs(argv) -> list[str]:
+    """``argv`` less its ``--rev`` options (a child runs one package, given by its path)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--rev":
+            skip = True
+        elif not a.startswith("--rev="):
+            out.append(a)
+    return out
+
+
+def _rev_variants(revs, tmp: pathlib.Path, env: dict, child_argv: list[str]) -> list[tuple]:
+    """``(name, command, env, package folder)`` per variant: the working tree's package and each
+    revision's (exported as ``benchmarks.rev_ab`` exports them, with this environment's built
+    extension modules), each child importing its own."""
+    from .rev_ab import _export, _extension_files, _site_dirs
+
+    extensions = _extension_files()
+    variants = []
+    for i, (name, rev) in enumerate([("working tree", None), *((r, r) for r in revs)]):
+        tree = tmp / f"v{i}"
+        _export(rev, tree, extensions)
+        cfg = dict(tree=str(tree), root=str(ROOT), site=_site_dirs(), argv=child_argv)
+        variants.append((name, [sys.executable, "-S", "-c", _REV_CHILD, json.dumps(cfg)], env, tree))
+    return variants
+
+
+def _check_package(name: str, stdout: str, tree: pathlib.Path) -> None:
+    """Refuse a --rev child that imported another package than its own."""
+    line = next((x for x in stdout.splitlines() if x.startswith(_PKG)), "")
+    got = line[len(_PKG) :]
+    if not got or not pathlib.Path(got).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(
+            f"benchmarks.step_ab: the {name} run imported pimlayers from {got!r}, expected {tree}"
+        )
 
 
 if __name__ == "__main__":

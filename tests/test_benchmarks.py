@@ -1275,6 +1275,46 @@ def test_step_ab_keeps_each_process_fault_counts_with_its_row(tmp_path, monkeypa
     assert '"gemm_detected": 3' in capsys.readouterr().out
 
 
+def test_step_ab_times_revisions_each_with_its_own_package(tmp_path, monkeypatch, capsys):
+    """``--rev``: the working tree's package and each revision's (here a folder holding a copy of
+    it) run in their own processes, each importing its own package (checked by the parent; a child
+    that imported another is refused), rows named after them."""
+    import json
+    import shutil
+
+    from benchmarks import _harness, step_ab
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    other = tmp_path / "other"
+    shutil.copytree(
+        _harness.ROOT / "pimlayers", other / "pimlayers", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    step_ab.main(["--rev", str(other), "--attention", "fwd", "--seq", "64", "--steps", "3",
+                  "--rounds", "1", "--dtype", "float32", "--tag", "rev"])  # fmt: skip
+    (path,) = tmp_path.glob("*-step-ab-rev-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("working tree", 0),
+        (str(other), 0),
+        ("working tree", "all"),
+        (str(other), "all"),
+    ]
+    assert all(r["steps"] == 2 and r["step_ms"] > 0 for r in rows)
+    assert "round 0 working tree: median step" in capsys.readouterr().out
+    step_ab._check_package("v", f"STEP_AB_PIMLAYERS {tmp_path}/v0/pimlayers/__init__.py", tmp_path / "v0")
+    with pytest.raises(RuntimeError, match="imported pimlayers from"):
+        step_ab._check_package("v", f"STEP_AB_PIMLAYERS {other}/pimlayers/__init__.py", tmp_path / "v0")
+    with pytest.raises(ValueError, match="not both"):
+        step_ab.main(["--env", "A=1", "--rev", "HEAD"])
+    assert step_ab._without_revs(["--rev", "a", "--steps", "3", "--rev=b", "--tag", "t"]) == [
+        "--steps",
+        "3",
+        "--tag",
+        "t",
+    ]
+
+
 def test_rev_ab_summary_takes_medians_over_rounds_against_the_working_tree():
     from benchmarks import rev_ab
 

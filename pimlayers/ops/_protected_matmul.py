@@ -743,9 +743,9 @@ def _merged_dw(a, dy, dys, policy: FaultPolicy, faults, precision, impl, out_dty
 
 def _merges_forward(a, bs, policy: FaultPolicy, out_dtype, impl: str) -> bool:
     """Whether the forward products of one input are one GEMM over the weights side by side
-    (:func:`_merged_forward`): where x's gradient is (the copy of the weights is then made anyway,
-    :func:`_sums_dx`), every weight's width holds whole checksum blocks, and no product takes the
-    fused kernel (which forms its own checks per product)."""
+    (:func:`_merged_forward`): where x's gradient is (:func:`_sums_dx`: the copy of the weights
+    side by side costs less than the products it merges), every weight's width holds whole checksum
+    blocks, and no product takes the fused kernel (which forms its own checks per product)."""
     widths = [b.shape[2] for b in bs]
     return (
         policy.enabled
@@ -760,12 +760,12 @@ def _merged_forward(a, bs, encs, policy: FaultPolicy, faults, precision, impl, o
     into the weights' column ranges (their checksum columns side by side, as the shared check GEMM
     reads them). Returns ``(tuple of y_i, FaultReport)``.
 
-    XLA merged the separate forward GEMMs of q, k and v into one itself, then copied each product
-    out of its output for its own check (0.44 ms of copies in a 4-layer Llama-3-8B-dimension step
-    on an H100, profile-protect-s55; 0.29 in the unprotected one), each product checked, redone
-    and tallied by launches of its own. Here one product is checked as a whole and its slices
-    reach their consumers (attention's rotary embedding) as views. The weights side by side are the
-    summed dx's copy (:func:`_summed_dx`)."""
+    XLA merged the separate forward GEMMs of q, k and v into one itself (writing the same copy of
+    the weights side by side), then copied each product out of its output for its own check,
+    redo and tally, each a launch of its own. Here one product is checked, redone and tallied as a
+    whole. Its slices are still copied out where a consumer needs them whole: in the 4-layer
+    Llama-3-8B-dimension step on an H100 all three are (the backward keeps them), 0.47 ms of
+    copies against 0.44 before (profile-protect-s56b, -s56old)."""
     # (G, K, ΣN), written once: without the barrier XLA formed it twice, for the GEMM and for the
     # redo kernel that reads it (profile-protect-s56).
     b = lax.optimization_barrier(jnp.concatenate(bs, axis=-1))
