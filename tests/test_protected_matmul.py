@@ -768,6 +768,41 @@ def test_protected_matmuls_are_one_gemm_each_way_where_dx_is(dtype):
     assert not any((r, n) in outs for r in (m, k) for n in (96, 32))
 
 
+def test_protected_matmuls_merged_products_split_over_devices(cpu_mesh):
+    """The merged products (forward and weight gradients, as above) with x's rows split over 8
+    devices: the products, gradients and reports of one device, the flips corrected where they
+    landed, and x's product is not gathered (each device checks its own rows)."""
+    from helpers import all_gathers
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m, k, ns = 256, 128, (96, 32, 32)
+    pol = FaultPolicy(block_n=32)
+    kx, kc, *kw = jax.random.split(jax.random.key(11), 5)
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    ws = [jax.random.normal(key, (k, n)) / np.sqrt(k) for key, n in zip(kw, ns, strict=True)]
+    cts = [jax.random.normal(key, (m, n)) for key, n in zip(jax.random.split(kc, 3), ns, strict=True)]
+    faults = ((_sites(m, ns[0], 1), None, _sites(k, ns[0], 2)), None, (_sites(m, ns[2], 4), None, None))
+
+    def loss(x, ws, tap):
+        ys, rep = ops.protected_matmuls(x, ws, policy=pol, faults=faults, tap=tap)
+        return sum(jnp.sum(y * c) for y, c in zip(ys, cts, strict=True)), (ys, rep)
+
+    f = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True))
+    (gw, gt), (ys, rep) = f(x, ws, ops.zero_tap())
+    xs = jax.device_put(x, NamedSharding(cpu_mesh, P("d")))
+    wss = [jax.device_put(w, NamedSharding(cpu_mesh, P())) for w in ws]
+    (hw, ht), (zs, rep8) = f(xs, wss, ops.zero_tap())
+    assert rep8.to_dict() == rep.to_dict() and rep.to_dict()["gemm_corrected"] >= 2
+    back, back8 = ops.report_from_tap(gt).to_dict(), ops.report_from_tap(ht).to_dict()
+    assert back8 == back and back["gemm_checked"] == 2 and back["gemm_corrected"] >= 1
+    for a, b in zip((*ys, *gw), (*zs, *hw), strict=True):  # dw's split contraction: another order
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    fwd = jax.jit(lambda x, ws: ops.protected_matmuls(x, ws, policy=pol)[0])
+    gathered = all_gathers(fwd.lower(xs, wss).compile().as_text())
+    assert [t for t, _ in gathered if t.startswith("f32")] == []  # (asked for whole, each product shows)
+
+
 def test_protected_matmuls_read_x_once_for_all_checks(monkeypatch):
     """Where the checks are GEMMs (a GPU: here with the native checks said absent), the forward
     forms every weight's checks with one abft_checks call on x, the backward every weight
