@@ -178,8 +178,10 @@ def write_result(
     """Write ``rows`` to ``benchmarks/results/<date>-<suite>[-<tag>]-<device>.json`` (replacing a file of
     that name: a second run the same day needs its own ``tag`` to keep the first) with the date,
     device, versions, command, the code's commit where the checkout is a git repository (``-dirty``
-    with uncommitted changes), the digest of its source files (``source_digest``) and an optional
-    ``note`` (shown above the table in docs/benchmarks.md). ``measured_on`` (``device``, ``jax``,
+    with uncommitted changes), the digest of its source files (``source_digest``), the folder of the
+    ``pimlayers`` package this process imported where it is not this tree's (``foreign_package``:
+    the commit and digest then name code that did not run) and an optional ``note`` (shown above
+    the table in docs/benchmarks.md). ``measured_on`` (``device``, ``jax``,
     ``python``) names where rows derived from other results files were measured, in place of this
     process's (a table built here from GPU measurements is still a GPU table).
     """
@@ -203,11 +205,26 @@ def write_result(
     if commit:
         payload["commit"] = commit
     payload["source"] = source_digest()
+    package = foreign_package()
+    if package:
+        payload["package"] = package
     if note:
         payload["note"] = note
     payload["rows"] = rows
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def foreign_package() -> str:
+    """The folder of the ``pimlayers`` package this process imported, where that is not this tree's
+    (a run with another revision's package first on the path; ``benchmarks.rev_ab``'s and
+    ``benchmarks.step_ab --rev``'s children); "" where it is this tree's or none is imported."""
+    mod = sys.modules.get("pimlayers")
+    origin = getattr(mod, "__file__", None)
+    if not origin:
+        return ""
+    folder = pathlib.Path(origin).resolve().parent
+    return "" if folder == (ROOT / "pimlayers").resolve() else str(folder)
 
 
 def code_commit() -> str:

@@ -16,8 +16,10 @@ ours is faster). GB/s counts the bytes an op must move (inputs read once, output
 "copy_fraction" relates that to the device copy bandwidth measured in the same run. Newer files
 name the code they ran (`code:`, the commit, `-dirty` with uncommitted changes; a copy of the tree
 without git names none; `source:`, a digest of the source files that `python -m benchmarks.digest
-REV` gives for a commit) and may carry a note (`--note`); `--tag` keeps a second run of one day in
-its own file (`python -m benchmarks.profile ... --save TAG` writes the profile's tables the same way).
+REV` gives for a commit; where the process imported another `pimlayers` than the tree's, the
+package that ran, whose code the two do not name) and may carry a note (`--note`); `--tag` keeps a
+second run of one day in its own file (`python -m benchmarks.profile ... --save TAG` writes the
+profile's tables the same way).
 
 Reading the matmul table: "fwd+bwd" is `value_and_grad` of sum(y * g), so both sides run all three
 GEMMs (forward, dx, dw), as a training step does; TFLOP/s counts those three. `max_grad_diff` is the
@@ -310,6 +312,7 @@ def render() -> None:
             f"`benchmarks/results/{path.name}`"
             + (f"; code: `{data['commit']}`" if data.get("commit") else "")
             + (f"; source: `{data['source']}`" if data.get("source") else "")
+            + (f"; the package that ran: `{data['package']}`" if data.get("package") else "")
             + "\n\n"
             + (f"Note: {data['note'].rstrip('.')}.\n\n" if data.get("note") else "")
             + f"| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n"

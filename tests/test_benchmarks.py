@@ -5,6 +5,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import time
 
 import jax
@@ -668,6 +669,15 @@ def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
     # A git checkout names its commit; a copy of the tree without .git names none.
     want = r"[0-9a-f]{7,}(-dirty)?" if (_harness.ROOT / ".git").exists() else ""
     assert re.fullmatch(want, real_commit())
+    # A process that imported another package than this tree's says which: the commit and source
+    # digest name this tree, not the code that ran.
+    import types
+
+    other = types.ModuleType("pimlayers")
+    other.__file__ = str(tmp_path / "old" / "pimlayers" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "pimlayers", other)
+    data = json.loads(_harness.write_result("finish", rows, "cmd", tag="old").read_text())
+    assert data["package"] == str((tmp_path / "old" / "pimlayers").resolve())
 
 
 def test_source_digest_names_a_commits_code_and_ignores_builds_and_results(tmp_path):
