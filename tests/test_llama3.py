@@ -238,6 +238,35 @@ def test_remat_saving_gemm_outputs_recomputes_no_gemm():
         Llama3(cfg, remat="dots", rngs=nnx.Rngs(0))
 
 
+def test_remat_keeps_the_merged_qkv_product_whole():
+    # Where q, k and v are one protected product (32-column blocks dividing 64, 32 and 32; 64 tokens
+    # against K = 64 make x's gradient one GEMM), "gemms" keeps that product whole, one (1, 64, 128)
+    # array a block, not its slices as copies, and the backward still reruns no dot of them.
+    from helpers import jaxpr_eqns
+
+    from pimlayers.faults import FaultPolicy
+    from pimlayers.layers import LINEAR_OUTPUT
+
+    cfg = get_config("llama3_tiny", n_layers=1)
+    toks = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 33)), jnp.int32)
+    policy = FaultPolicy(block_n=32)
+    jaxpr = grad_jaxpr(Llama3(cfg, policy=policy, remat="gemms", rngs=nnx.Rngs(0)), toks).jaxpr
+    kept = [
+        e.outvars[0].aval.shape
+        for e, _ in jaxpr_eqns(jaxpr)
+        if e.primitive.name == "name" and e.params.get("name") == LINEAR_OUTPUT
+    ]
+    # (x's products as protected_matmuls forms them, (1, tokens, N): q/k/v merged, gate, up)
+    assert sorted(s for s in kept if s[0] == 1) == [(1, 64, 128), (1, 64, 160), (1, 64, 160)]
+    dots = lambda remat: sum(
+        bwd and e.primitive.name == "dot_general"
+        for e, bwd in jaxpr_eqns(
+            grad_jaxpr(Llama3(cfg, policy=policy, remat=remat, rngs=nnx.Rngs(0)), toks).jaxpr
+        )
+    )
+    assert dots(True) - dots("gemms") >= 4  # the merged q/k/v product, gate, up, and their checks
+
+
 def test_gemms_policy_keeps_cudnn_attention_forward_outputs():
     # jax names none of cuDNN attention's residuals: "gemms" keeps them by their primitive (the GPU
     # test, tests/test_gpu_remat.py, counts the forward kernels in the gradient), and nothing else.

@@ -768,6 +768,31 @@ def test_protected_matmuls_are_one_gemm_each_way_where_dx_is(dtype):
     assert not any((r, n) in outs for r in (m, k) for n in (96, 32))
 
 
+def test_protected_matmuls_name_the_merged_product_whole_for_remat():
+    """``checkpoint=NAME``: a rematerialisation policy saving NAME keeps the merged forward product
+    whole, (1, m, ΣN), one array, where naming the three slices kept each as a copy of its own; where
+    the products are separate GEMMs (16 columns do not hold 32-column blocks whole) it keeps each."""
+    m, k = 64, 128
+    kx, *kw = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+
+    def saved(ns):
+        ws = [jax.random.normal(key, (k, n)) / np.sqrt(k) for key, n in zip(kw, ns, strict=True)]
+
+        def loss(x, ws):
+            ys, _ = ops.protected_matmuls(x, ws, policy=FaultPolicy(block_n=32), checkpoint="proj")
+            return sum(jnp.sum(jnp.sin(y)) for y in ys)
+
+        f = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names("proj"))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(f, x, ws)
+        return sorted(re.findall(r"f32\[([\d,]+)\] named 'proj'", out.getvalue()))
+
+    assert saved((96, 32, 32)) == ["1,64,160"]
+    assert saved((96, 16, 16)) == ["1,64,16", "1,64,16", "1,64,96"]
+
+
 def test_protected_matmuls_merged_products_split_over_devices(cpu_mesh):
     """The merged products (forward and weight gradients, as above) with x's rows split over 8
     devices: the products, gradients and reports of one device, the flips corrected where they

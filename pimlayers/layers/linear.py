@@ -153,8 +153,12 @@ def linears(
             ws = [_named_if_cast(w, k) for w, k in zip(ws, kernels, strict=True)]
         else:
             ws = [k.T for k in kernels]
-        ys, report = protected_matmuls(x, ws, policy=policy, faults=faults, tap=tap, precision=precision)
-    return tuple(checkpoint_name(y, LINEAR_OUTPUT) for y in ys), report
+        # Named inside: where the products are one GEMM, that product whole (its slices kept as
+        # copies would cost a pass over them each).
+        ys, report = protected_matmuls(
+            x, ws, policy=policy, faults=faults, tap=tap, precision=precision, checkpoint=LINEAR_OUTPUT
+        )
+    return ys, report
 
 
 def _row(bias, ndim: int):

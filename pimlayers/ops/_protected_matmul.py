@@ -615,9 +615,16 @@ def _forward(a, bs, encs, faults, policy, precision, impl, out_dtype, with_trans
     return _checked_gemms(a, bs, filled, policy, fwd_faults, precision, impl, out_dtype), encs_t
 
 
+def _widths_if_merged(a, bs, policy, out_dtype, impl) -> list[int] | None:
+    """The weights' widths where the forward products are one (:func:`_merges_forward`): ``_pmm``
+    then returns that product whole, (G, R, ΣN), and its callers split it; else None."""
+    return [b.shape[2] for b in bs] if _merges_forward(a, bs, policy, out_dtype, impl) else None
+
+
 def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     a, bs, encs, encs_t, faults = res
     dys, _ = cts
+    widths = _widths_if_merged(a, bs, policy, out_dtype, impl)
     del out_dtype
     # The backward GEMMs run on the operands' own dtype with f32 accumulation, as the forward does:
     # bf16 x bf16 products are exact in f32, so the f32 bound holds, and the tensor cores run at
@@ -627,7 +634,14 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     if policy.enabled and dtype != jnp.float32:
         # dw's checksums are encoded from dy here: the barrier keeps XLA from folding an f32
         # cotangent's rounding to bf16 out of the encode (the forward's operand barrier, for dy).
+        # (It also writes each dy once where several GEMMs read it: XLA had formed a concatenation
+        # of them once per reader, profile-protect-s56.)
         dys = list(lax.optimization_barrier(dys))
+    dy_all = None
+    if widths is not None:  # the one product's cotangent, (G, R, ΣN): the dy side by side already
+        (dy_all,) = dys
+        offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+        dys = [dy_all[..., o : o + w] for o, w in zip(offsets, widths, strict=True)]
     f_da = [None if f is None else f[1] for f in faults]
     f_db = [None if f is None else f[2] for f in faults]
     # dx = dy @ wᵀ and dw = xᵀ @ dy read w and x where they lie (transposed operands: a copy of
@@ -644,9 +658,10 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     ]
     summed = policy.enabled and _sums_dx(dys, bbs)
     if summed:
-        # (G, R, ΣN): the summed dx's operand, and dw's. Written once: without the barrier XLA
-        # formed the concatenation twice, once for each GEMM that reads it (profile-protect-s56).
-        dy_all = lax.optimization_barrier(jnp.concatenate(dys, axis=-1))
+        if dy_all is None:
+            # (G, R, ΣN): the summed dx's operand, and dw's. Written once: without the barrier XLA
+            # formed the concatenation twice, once for each GEMM that reads it (profile-protect-s56).
+            dy_all = lax.optimization_barrier(jnp.concatenate(dys, axis=-1))
         da, r_da = _summed_dx(dy_all, bbs, enc_bts, policy, f_da, precision, impl, a.dtype)
     else:  # each dx checked, then summed as autodiff sums a shared input's cotangents
         da, r_da = None, FaultReport.zeros()
@@ -763,9 +778,11 @@ def _merged_forward(a, bs, encs, policy: FaultPolicy, faults, precision, impl, o
     XLA merged the separate forward GEMMs of q, k and v into one itself (writing the same copy of
     the weights side by side), then copied each product out of its output for its own check,
     redo and tally, each a launch of its own. Here one product is checked, redone and tallied as a
-    whole. Its slices are still copied out where a consumer needs them whole: in the 4-layer
-    Llama-3-8B-dimension step on an H100 all three are (the backward keeps them), 0.47 ms of
-    copies against 0.44 before (profile-protect-s56b, -s56old)."""
+    whole, and returned whole (``_pmm`` gives (G, R, ΣN); ``_matmuls`` names it, then slices it).
+    In the 4-layer Llama-3-8B-dimension step on an H100 all three slices were still copied out,
+    0.47 ms of copies against 0.44 before (profile-protect-s56b, -s56old): the rematerialisation
+    policy kept each slice, named one by one; the product is named whole since
+    (``protected_matmuls(..., checkpoint=...)``), not yet measured on a GPU."""
     # (G, K, ΣN), written once: without the barrier XLA formed it twice, for the GEMM and for the
     # redo kernel that reads it (profile-protect-s56).
     b = lax.optimization_barrier(jnp.concatenate(bs, axis=-1))
@@ -774,21 +791,28 @@ def _merged_forward(a, bs, encs, policy: FaultPolicy, faults, precision, impl, o
         jnp.concatenate([e.abs_sums for e in encs], axis=-1),  # (G, K, Σnb)
     )
     widths = [w.shape[2] for w in bs]
-    return _merged_gemm(a, b, enc, widths, policy, faults, precision, impl, out_dtype, "y", False)
+    return _merged_gemm(
+        a, b, enc, widths, policy, faults, precision, impl, out_dtype, "y", False, split=False
+    )
 
 
-def _merged_gemm(a, b, enc, widths, policy: FaultPolicy, faults, precision, impl, out_dtype, role, a_t):
+def _merged_gemm(
+    a, b, enc, widths, policy: FaultPolicy, faults, precision, impl, out_dtype, role, a_t, split=True
+):
     """One checked GEMM of products side by side (``b`` their operands' columns concatenated, ``enc``
-    its checksum columns), split into their column ranges ``widths``: ``(tuple of products,
-    FaultReport)``, counted as one GEMM. Every block lies within one product's columns
-    (:func:`_whole_blocks`), so each is checked, corrected and recomputed as in its own product.
-    ``faults``: one entry per product, its columns shifted to the product's place (their union)."""
+    its checksum columns), split into their column ranges ``widths`` (``split=False``: the one
+    product whole, a tuple of one): ``(tuple of products, FaultReport)``, counted as one GEMM.
+    Every block lies within one product's columns (:func:`_whole_blocks`), so each is checked,
+    corrected and recomputed as in its own product. ``faults``: one entry per product, its columns
+    shifted to the product's place (their union)."""
     offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
     sites = [f._replace(cols=f.cols + o) for f, o in zip(faults, offsets, strict=True) if f is not None]
     union = None if not sites else GemmFaults(*(jnp.concatenate(v) for v in zip(*sites, strict=True)))
     (y,), report = _checked_gemms(
         a, (b,), (enc,), policy, (union,), precision, impl, out_dtype, role, a_t=a_t
     )
+    if not split:
+        return (y,), report
     return tuple(y[..., o : o + w] for o, w in zip(offsets, widths, strict=True)), report
 
 
@@ -844,6 +868,7 @@ def protected_matmuls(
     tap: jax.Array | None = None,
     precision=None,
     impl: str = "auto",
+    checkpoint: str | None = None,
 ):
     """``x @ w`` for each weight of ``ws``, each verified, corrected and reported as by
     :func:`protected_matmul`, with one check GEMM for all of them. Returns ``(ys, report)``.
@@ -861,7 +886,10 @@ def protected_matmuls(
     entry per weight, each as :func:`protected_matmul` takes it (the dx sites of all of them land
     in the one dx product where it is one). ``report`` sums the products' (each counts as one GEMM
     checked; a summed dx, a merged forward or weight gradient as one, and a detection in it as one
-    product's).
+    product's). ``checkpoint``: a name (``jax.ad_checkpoint.checkpoint_name``) for the products as
+    computed, for a rematerialisation policy to keep: each product, or where they are one GEMM
+    that product whole, so that what is kept is one array and the ys are slices of it (named one
+    by one, each slice would be kept as a copy of its own).
     """
     ws = tuple(ws)
     n = len(ws)
@@ -872,10 +900,10 @@ def protected_matmuls(
             f"pimlayers.protected_matmuls: {n} weights, {len(encs)} checksums and {len(faults)} fault "
             f"entries; expected at least one weight and one checksum and fault entry (or None) per weight"
         )
-    return _matmuls("protected_matmuls", x, ws, encs, policy, faults, tap, precision, impl)
+    return _matmuls("protected_matmuls", x, ws, encs, policy, faults, tap, precision, impl, checkpoint)
 
 
-def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
+def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl, checkpoint=None):
     check_float(op, "x", x)
     for i, w in enumerate(ws):
         check_float(op, "w" if len(ws) == 1 else f"ws[{i}]", w)
@@ -905,7 +933,14 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl):
     with jax.named_scope(f"pimlayers.{op}"):
         encs1 = tuple(None if e is None else WeightChecksums(e.sums[None], e.abs_sums[None]) for e in encs)
         ws1 = tuple(w[None] for w in ws)
-        ys, report = _pmm(x.reshape(1, -1, k), ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
+        x1 = x.reshape(1, -1, k)
+        ys, report = _pmm(x1, ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
+        if checkpoint is not None:
+            ys = tuple(checkpoint_name(y, checkpoint) for y in ys)
+        widths = _widths_if_merged(x1, ws1, policy, out_dtype, impl)
+        if widths is not None:  # the one product, named whole: its slices are views of what is kept
+            offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+            ys = tuple(ys[0][..., o : o + w] for o, w in zip(offsets, widths, strict=True))
     return tuple(y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)), report
 
 
