@@ -298,7 +298,7 @@ def _checked_gemms(
         c, mag = abft_checks(a, both, transposed=a_t, lam=policy.lam, weighted=policy.weighted_checks)
         # Each product's finish reads its blocks where they lie: slices of c and mag would each
         # be a copy kernel (80 per 4-layer Llama-3-8B-dimension step on an H200, 0.28 ms).
-        offsets = np.concatenate([[0], np.cumsum(nbs)[:-1]]).tolist()
+        offsets = _offsets(nbs)
         checks = [(c, mag, int(o)) for o in offsets]
     outs, report = [], FaultReport.zeros()
     for b, enc, f, chk in zip(bs, encs, faults, checks, strict=True):
@@ -615,6 +615,17 @@ def _forward(a, bs, encs, faults, policy, precision, impl, out_dtype, with_trans
     return _checked_gemms(a, bs, filled, policy, fwd_faults, precision, impl, out_dtype), encs_t
 
 
+def _offsets(widths) -> list[int]:
+    """The first columns of consecutive ranges of ``widths`` columns (products side by side)."""
+    return np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(int).tolist()
+
+
+def _columns(y, widths) -> tuple:
+    """``y``'s (..., ΣN) last axis cut into its consecutive ranges of ``widths`` columns (the
+    products of one merged GEMM)."""
+    return tuple(y[..., o : o + w] for o, w in zip(_offsets(widths), widths, strict=True))
+
+
 def _widths_if_merged(a, bs, policy, out_dtype, impl) -> list[int] | None:
     """The weights' widths where the forward products are one (:func:`_merges_forward`): ``_pmm``
     then returns that product whole, (G, R, ΣN), and its callers split it; else None."""
@@ -640,8 +651,7 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     dy_all = None
     if widths is not None:  # the one product's cotangent, (G, R, ΣN): the dy side by side already
         (dy_all,) = dys
-        offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
-        dys = [dy_all[..., o : o + w] for o, w in zip(offsets, widths, strict=True)]
+        dys = list(_columns(dy_all, widths))
     f_da = [None if f is None else f[1] for f in faults]
     f_db = [None if f is None else f[2] for f in faults]
     # dx = dy @ wᵀ and dw = xᵀ @ dy read w and x where they lie (transposed operands: a copy of
@@ -805,15 +815,13 @@ def _merged_gemm(
     Every block lies within one product's columns (:func:`_whole_blocks`), so each is checked,
     corrected and recomputed as in its own product. ``faults``: one entry per product, its columns
     shifted to the product's place (their union)."""
-    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+    offsets = _offsets(widths)
     sites = [f._replace(cols=f.cols + o) for f, o in zip(faults, offsets, strict=True) if f is not None]
     union = None if not sites else GemmFaults(*(jnp.concatenate(v) for v in zip(*sites, strict=True)))
     (y,), report = _checked_gemms(
         a, (b,), (enc,), policy, (union,), precision, impl, out_dtype, role, a_t=a_t
     )
-    if not split:
-        return (y,), report
-    return tuple(y[..., o : o + w] for o, w in zip(offsets, widths, strict=True)), report
+    return ((y,) if not split else _columns(y, widths)), report
 
 
 def _prepare(policy, operands, precision, faults, tap):
@@ -939,8 +947,7 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl, checkpo
             ys = tuple(checkpoint_name(y, checkpoint) for y in ys)
         widths = _widths_if_merged(x1, ws1, policy, out_dtype, impl)
         if widths is not None:  # the one product, named whole: its slices are views of what is kept
-            offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
-            ys = tuple(ys[0][..., o : o + w] for o, w in zip(offsets, widths, strict=True))
+            ys = _columns(ys[0], widths)
     return tuple(y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)), report
 
 
