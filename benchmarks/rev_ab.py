@@ -313,15 +313,34 @@ def _export(rev: str | None, dest: pathlib.Path, extensions: list[pathlib.Path])
         shutil.copy2(ext, dest / "pimlayers" / ext.name)
 
 
-_CHILD = f"""
+# A child's first lines: its config from argv, its own exported package first on the path, this
+# tree's benchmarks (and models, train) after it, the site folders appended (it runs with site
+# processing off: an editable install's import hook would map pimlayers to this tree whatever the
+# path). benchmarks.step_ab --rev's children start the same way.
+CHILD_PATHS = """
 import json, sys
 cfg = json.loads(sys.argv[1])
 sys.path[:0] = [cfg["tree"], cfg["root"]]
 sys.path += cfg["site"]
+"""
+
+
+def check_imported(who: str, name: str, imported: str, tree: pathlib.Path) -> None:
+    """Refuse a child (``name``'s run) that imported ``pimlayers`` from elsewhere than ``tree``."""
+    if not imported or not pathlib.Path(imported).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(
+            f"benchmarks.{who}: the {name} run imported pimlayers from {imported!r}, expected {tree}"
+        )
+
+
+_CHILD = (
+    CHILD_PATHS
+    + f"""
 from benchmarks.rev_ab import measure
 res = measure(cfg["case"], tuple(cfg["shape"]), cfg["dtype"], cfg["reps"])
 print({_MARK!r} + json.dumps(res), flush=True)
 """
+)
 
 
 def _site_dirs() -> list[str]:
@@ -374,11 +393,7 @@ def main(argv=None) -> None:
                 if out.returncode != 0 or line is None:
                     raise RuntimeError(f"benchmarks.rev_ab: the {name} run failed:\n{out.stderr[-3000:]}")
                 res = json.loads(line[len(_MARK) :])
-                if not pathlib.Path(res["pimlayers"]).resolve().is_relative_to(trees[name].resolve()):
-                    raise RuntimeError(
-                        f"benchmarks.rev_ab: the {name} run imported pimlayers from {res['pimlayers']}, "
-                        f"expected {trees[name]}"
-                    )
+                check_imported("rev_ab", name, res["pimlayers"], trees[name])
                 if runs and res["native"] != runs[0][2]["native"]:
                     raise RuntimeError(
                         f"benchmarks.rev_ab: the {name} run loaded native handlers for {res['native']}, "

@@ -61,19 +61,22 @@ from ._harness import ROOT, command_line, write_result
 __all__ = ["main", "summarize", "variant_envs"]
 
 _PKG = "STEP_AB_PIMLAYERS "
-# A --rev variant's child: its own exported package first on the path, this tree's benchmarks and
-# train after it, site processing off and the site folders appended (as benchmarks.rev_ab's
-# children: an editable install's import hook would map pimlayers to this tree whatever the path).
-_REV_CHILD = f"""
-import json, sys
-cfg = json.loads(sys.argv[1])
-sys.path[:0] = [cfg["tree"], cfg["root"]]
-sys.path += cfg["site"]
+
+
+def _rev_child() -> str:
+    """A --rev variant's child: ``benchmarks.rev_ab``'s path set-up, then it reports the package it
+    imported and runs this module's child."""
+    from .rev_ab import CHILD_PATHS
+
+    return (
+        CHILD_PATHS
+        + f"""
 import pimlayers
 print({_PKG!r} + pimlayers.__file__, flush=True)
 from benchmarks.step_ab import main
 main(cfg["argv"])
 """
+    )
 
 
 def _attention_child(args) -> None:
@@ -285,18 +288,16 @@ def _rev_variants(revs, tmp: pathlib.Path, env: dict, child_argv: list[str]) -> 
         tree = tmp / f"v{i}"
         _export(rev, tree, extensions)
         cfg = dict(tree=str(tree), root=str(ROOT), site=_site_dirs(), argv=child_argv)
-        variants.append((name, [sys.executable, "-S", "-c", _REV_CHILD, json.dumps(cfg)], env, tree))
+        variants.append((name, [sys.executable, "-S", "-c", _rev_child(), json.dumps(cfg)], env, tree))
     return variants
 
 
 def _check_package(name: str, stdout: str, tree: pathlib.Path) -> None:
     """Refuse a --rev child that imported another package than its own."""
+    from .rev_ab import check_imported
+
     line = next((x for x in stdout.splitlines() if x.startswith(_PKG)), "")
-    got = line[len(_PKG) :]
-    if not got or not pathlib.Path(got).resolve().is_relative_to(tree.resolve()):
-        raise RuntimeError(
-            f"benchmarks.step_ab: the {name} run imported pimlayers from {got!r}, expected {tree}"
-        )
+    check_imported("step_ab", name, line[len(_PKG) :], tree)
 
 
 if __name__ == "__main__":
