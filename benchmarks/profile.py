@@ -26,10 +26,14 @@ device waits on it), and writes them as JSON next to the traces (``--out``). ``-
 dump the optimised programs and names, for each kernel, the op it came from (a fusion's kernel is
 named after its HLO instruction, whose metadata holds the JAX scope: inside XLA's command buffers
 the trace's own scopes name only the buffer), with a table of all kernels grouped by op (ms and
-kernels launched per step). ``--compare`` runs nothing: it sets two such tables (``profile-sources``
-files of the protected and the unprotected step) side by side per op (``profile-compare``) and per
-category (``profile-categories``: attention, GEMMs, check GEMMs, the checks' verify, encodes and
-XLA ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection adds in each;
+kernels launched per step). cuBLAS's kernels have no instruction of their name: the table puts
+them under the op whose instruction launched them where the trace names it, which XLA's command
+buffers hide (``--no-command-buffers`` runs without them, so every GEMM, the check GEMMs that run
+on cuBLAS too, is attributed; the step then runs as it does not by default). ``--compare`` runs
+nothing: it sets two such tables (``profile-sources`` files of the protected and the unprotected
+step) side by side per op (``profile-compare``) and per category (``profile-categories``:
+attention, GEMMs, check GEMMs, the checks' verify, encodes and XLA ops, the parameter memory's
+kernels, the rest; ``CATEGORIES``), what protection adds in each;
 given two kernel tables instead (``profile-protect`` / ``profile-off`` files, which a run saves
 with or without ``--hlo-dump``), it sets them side by side per kernel (``profile-compare-kernels``).
 ``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op table
@@ -126,6 +130,40 @@ def _sums(
         count[e["name"]] += 1
         n += 1
     return ("device" if device else "host"), by_name, by_scope, n, count
+
+
+_INSTRUCTION = re.compile(r"^[\w.\-]+$")
+
+
+def _instruction(e: dict) -> str:
+    """The HLO instruction that launched a device event, as the trace records it (a fusion, a custom
+    call: ``custom-call.18``), or "" where none is. Kernels inside one of XLA's command buffers
+    carry the buffer's name (``command_buffer_967``), which no instruction of the HLO text has."""
+    args = e.get("args", {})
+    for key in ("hlo_op", "long_name", "tf_op"):
+        v = args.get(key)
+        if isinstance(v, str) and _INSTRUCTION.match(v):
+            return v
+    return ""
+
+
+def _by_instruction(trace_dir: pathlib.Path) -> tuple[collections.Counter, collections.Counter]:
+    """µs and events by (kernel name, :func:`_instruction`) of the trace's device kernels (on a CPU
+    trace, of the host's XLA ops): where a library kernel (cuBLAS's) has no instruction of its name,
+    the instruction that launched it says which product it computed."""
+    events, procs = _events(trace_dir)
+    device = _device_pids(procs)
+    us: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if (e["pid"] not in device) if device else ("hlo_op" not in e.get("args", {})):
+            continue
+        key = (e["name"], _instruction(e))
+        us[key] += float(e.get("dur", 0.0))
+        count[key] += 1
+    return us, count
 
 
 def kernel_events(
@@ -428,6 +466,12 @@ def hlo_sources(texts: typing.Iterable[str]) -> dict[str, str]:
     return src
 
 
+def _source(kernel: str, instruction: str, sources: dict[str, str]) -> str:
+    """The op path behind a kernel: its own name's (a fusion's kernel is named after it), else the
+    instruction's that launched it (a cuBLAS kernel, outside XLA's command buffers), else ""."""
+    return sources.get(kernel) or sources.get(instruction, "")
+
+
 def _group(path: str) -> str:
     """The part of an op path a table groups by: from the innermost pimlayers op on (its primitive or
     custom call), or else the last two parts, so every layer's instance of an op adds up to one row.
@@ -608,12 +652,17 @@ def summarize(
     if sources is not None:
         for r in out["kernels"]:
             r["source"] = sources.get(r["name"], "")
+        pairs, pair_counts = _by_instruction(trace_dir)
+        if base_dir is not None:
+            pairs0, pair_counts0 = _by_instruction(base_dir)
+            pairs, pair_counts = _minus(pairs, pairs0), _minus(pair_counts, pair_counts0)
         by_op: collections.Counter = collections.Counter()
         launches: collections.Counter = collections.Counter()
-        for name, us in names.items():
-            op = _group(sources[name]) if name in sources else _family(name, fused)
+        for (name, inst), us in pairs.items():
+            path = _source(name, inst, sources)
+            op = _group(path) if path else _family(name, fused)
             by_op[op] += us
-            launches[op] += counts[name]
+            launches[op] += pair_counts[(name, inst)]
         out["sources"] = table(by_op, None)  # every op: the categories add them all up
         for r in out["sources"]:  # kernels launched per step for the op (each a launch gap)
             r["count"] = launches[r["name"]] / steps
@@ -806,6 +855,14 @@ def main() -> None:
         help="have XLA dump the optimised HLO (under --out/hlo) and name the op behind each kernel",
     )
     ap.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="run XLA without command buffers (--xla_gpu_enable_command_buffer=): every kernel's "
+        "event then names its own instruction, so with --hlo-dump the sources table attributes "
+        "cuBLAS's kernels to the products they computed (inside a command buffer they name the "
+        "buffer); the step's timing is then not the default's",
+    )
+    ap.add_argument(
         "--save",
         default=None,
         metavar="TAG",
@@ -860,12 +917,15 @@ def main() -> None:
         return
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
     dump = out / "hlo"
-    if args.hlo_dump:  # read when the backends start, which the first jax.devices() below does
+    flags = ([f"--xla_dump_to={dump}"] if args.hlo_dump else []) + (
+        ["--xla_gpu_enable_command_buffer="] if args.no_command_buffers else []
+    )
+    if flags:  # read when the backends start, which the first jax.devices() below does
         if backends_are_initialized():
             raise RuntimeError(
-                "benchmarks.profile --hlo-dump: the XLA backends started before the flag was set"
+                f"benchmarks.profile {' '.join(flags)}: the XLA backends started before the flags were set"
             )
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
     n = len(jax.devices())
     cfg = dict(
         config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,

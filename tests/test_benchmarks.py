@@ -744,6 +744,50 @@ custom_call_target="pimlayers_abft_finish", metadata={op_name="OP2"}
     assert profile._family("nvjet_sm90_tst_128x160") == "(cuBLAS kernels)"
 
 
+def test_profile_sources_attribute_library_kernels_by_their_launching_instruction(tmp_path):
+    """A cuBLAS kernel has no instruction of its name: the sources table puts it under the op whose
+    instruction the trace says launched it (a check GEMM's, a product's), and where the trace names
+    only a command buffer, under the cuBLAS family as before; a fusion goes by its own name."""
+    import gzip
+    import json
+
+    from benchmarks import profile
+
+    def event(name, dur, **args):
+        return {"ph": "X", "pid": 7, "tid": 1, "name": name, "ts": 0, "dur": dur, "args": args}
+
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            event("nvjet_sm90_tss_192x64", 30.0, hlo_op="custom-call.18", tf_op="XlaModule:x"),
+            event("nvjet_sm90_tss_192x64", 20.0, hlo_op="custom-call.35"),
+            event("nvjet_sm90_tst_256x128", 50.0, hlo_op="command_buffer_967"),
+            event("gemm_fusion_dot_100", 40.0, hlo_op="command_buffer_967"),
+            event("Memcpy not a kernel", 5.0, hlo_op="p/q r"),  # no instruction recorded
+        ]
+    }
+    (tmp_path / "t.trace.json.gz").write_bytes(gzip.compress(json.dumps(trace).encode()))
+    assert profile._instruction(trace["traceEvents"][5]) == ""
+    checks = "pimlayers.flax.nnx.LlamaMLP.down/pimlayers.protected_matmul/pimlayers.abft_checks/dot_general"
+    sources = {
+        "custom-call.18": checks,
+        "custom-call.35": "pimlayers.flax.nnx.LlamaMLP.down/pimlayers.protected_matmul/dot_general",
+        "gemm_fusion_dot_100": checks,
+    }
+    s = profile.summarize(tmp_path, sources=sources)
+    by_op = {r["name"]: (round(r["ms"] * 1e3, 6), r["count"]) for r in s["sources"]}
+    assert by_op == {
+        "pimlayers.abft_checks/dot_general": (70.0, 2),  # cuBLAS's check GEMM and the fusion
+        "pimlayers.protected_matmul/dot_general": (20.0, 1),
+        "(cuBLAS kernels)": (50.0, 1),  # inside a command buffer: not attributable
+        "(Memcpy not a kernel)": (5.0, 1),
+    }
+    cats = profile.categories(
+        [{"op": k, "ms_per_step": v[0] / 1e3, "count_per_step": v[1]} for k, v in by_op.items()]
+    )
+    assert cats["check GEMMs"]["ms_per_step"] == pytest.approx(0.070)
+
+
 def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(monkeypatch, tmp_path):
     """The longer run's kernel times less the shorter run's, per added step: a kernel both runs spent
     equally on (initialisation) drops out of the tables; one that only the steps run is divided."""
@@ -803,6 +847,14 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     )
     monkeypatch.setattr(profile, "_host", lambda d: (collections.Counter(host[d]), counts(host[d])))
     monkeypatch.setattr(profile, "_step_idle", lambda d: None)  # needs correlation ids: its own test
+    monkeypatch.setattr(  # the same events by (kernel, launching instruction): none recorded
+        profile,
+        "_by_instruction",
+        lambda d: (
+            collections.Counter({(k, ""): v for k, v in us[d].items()}),
+            collections.Counter({(k, ""): v for k, v in launches[d].items()}),
+        ),
+    )
     s = profile.summarize(tmp_path / "long", base_dir=tmp_path / "short", steps=3)
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
     assert s["events"] == (9 - 4) / 3  # events per step, differenced like the times
