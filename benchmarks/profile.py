@@ -467,9 +467,14 @@ def hlo_sources(texts: typing.Iterable[str]) -> dict[str, str]:
 
 
 def _source(kernel: str, instruction: str, sources: dict[str, str]) -> str:
-    """The op path behind a kernel: its own name's (a fusion's kernel is named after it), else the
-    instruction's that launched it (a cuBLAS kernel, outside XLA's command buffers), else ""."""
-    return sources.get(kernel) or sources.get(instruction, "")
+    """The op path behind a kernel: its own name's (a fusion's kernel is named after it), else for a
+    cuBLAS kernel the instruction's that launched it (outside XLA's command buffers), else "". Other
+    library kernels keep their family's row (``_family``): the Mosaic GPU kernels' instruction is a
+    ``pallas_call``'s, whose path names no attention op (the first GPU run that attributed them so
+    put the verified flash kernels under ``entry/mpmd_map``, profile-sources-s57nocb)."""
+    if kernel in sources:
+        return sources[kernel]
+    return sources.get(instruction, "") if _family(kernel) == "(cuBLAS kernels)" else ""
 
 
 def _group(path: str) -> str:

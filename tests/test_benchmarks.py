@@ -764,6 +764,7 @@ def test_profile_sources_attribute_library_kernels_by_their_launching_instructio
             event("nvjet_sm90_tst_256x128", 50.0, hlo_op="command_buffer_967"),
             event("gemm_fusion_dot_100", 40.0, hlo_op="command_buffer_967"),
             event("Memcpy not a kernel", 5.0, hlo_op="p/q r"),  # no instruction recorded
+            event("entry_mosaic_gpu_kernel", 60.0, hlo_op="custom-call.7"),  # a pallas_call's
         ]
     }
     (tmp_path / "t.trace.json.gz").write_bytes(gzip.compress(json.dumps(trace).encode()))
@@ -773,6 +774,7 @@ def test_profile_sources_attribute_library_kernels_by_their_launching_instructio
         "custom-call.18": checks,
         "custom-call.35": "pimlayers.flax.nnx.LlamaMLP.down/pimlayers.protected_matmul/dot_general",
         "gemm_fusion_dot_100": checks,
+        "custom-call.7": "pimlayers.flax.nnx.Attention.core/mpmd_map",
     }
     s = profile.summarize(tmp_path, sources=sources)
     by_op = {r["name"]: (round(r["ms"] * 1e3, 6), r["count"]) for r in s["sources"]}
@@ -781,11 +783,13 @@ def test_profile_sources_attribute_library_kernels_by_their_launching_instructio
         "pimlayers.protected_matmul/dot_general": (20.0, 1),
         "(cuBLAS kernels)": (50.0, 1),  # inside a command buffer: not attributable
         "(Memcpy not a kernel)": (5.0, 1),
+        profile.MOSAIC: (60.0, 1),  # the family's row, as before: the attention category
     }
     cats = profile.categories(
         [{"op": k, "ms_per_step": v[0] / 1e3, "count_per_step": v[1]} for k, v in by_op.items()]
     )
     assert cats["check GEMMs"]["ms_per_step"] == pytest.approx(0.070)
+    assert cats["attention"]["ms_per_step"] == pytest.approx(0.060)
 
 
 def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(monkeypatch, tmp_path):
