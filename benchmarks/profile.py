@@ -113,23 +113,31 @@ def _sums(
 ) -> tuple[str, collections.Counter, collections.Counter, int, collections.Counter]:
     """(timeline, µs by kernel name, µs by scope, number of events, events by kernel name) of the
     trace's device kernels, or with no device timeline, of the host's XLA ops."""
-    events, procs = _events(trace_dir)
-    device = _device_pids(procs)
+    device, kernels = _kernels(trace_dir)
     by_name: collections.Counter = collections.Counter()
     by_scope: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
     n = 0
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        if (e["pid"] not in device) if device else ("hlo_op" not in e.get("args", {})):
-            continue  # host work (on a CPU: everything but XLA's ops)
+    for e in kernels:
         dur = float(e.get("dur", 0.0))
         by_name[e["name"]] += dur
         by_scope[_scope(e)] += dur
         count[e["name"]] += 1
         n += 1
     return ("device" if device else "host"), by_name, by_scope, n, count
+
+
+def _kernels(trace_dir: pathlib.Path) -> tuple[bool, list[dict]]:
+    """(whether the trace has a device timeline, its kernel events): the device's, or with no
+    device timeline the host's XLA ops (host work, on a CPU everything but XLA's ops, left out)."""
+    events, procs = _events(trace_dir)
+    device = _device_pids(procs)
+    kernels = [
+        e
+        for e in events
+        if e.get("ph") == "X" and ((e["pid"] in device) if device else ("hlo_op" in e.get("args", {})))
+    ]
+    return bool(device), kernels
 
 
 _INSTRUCTION = re.compile(r"^[\w.\-]+$")
@@ -151,15 +159,9 @@ def _by_instruction(trace_dir: pathlib.Path) -> tuple[collections.Counter, colle
     """µs and events by (kernel name, :func:`_instruction`) of the trace's device kernels (on a CPU
     trace, of the host's XLA ops): where a library kernel (cuBLAS's) has no instruction of its name,
     the instruction that launched it says which product it computed."""
-    events, procs = _events(trace_dir)
-    device = _device_pids(procs)
     us: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        if (e["pid"] not in device) if device else ("hlo_op" not in e.get("args", {})):
-            continue
+    for e in _kernels(trace_dir)[1]:
         key = (e["name"], _instruction(e))
         us[key] += float(e.get("dur", 0.0))
         count[key] += 1

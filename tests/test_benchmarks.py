@@ -747,7 +747,8 @@ custom_call_target="pimlayers_abft_finish", metadata={op_name="OP2"}
 def test_profile_sources_attribute_library_kernels_by_their_launching_instruction(tmp_path):
     """A cuBLAS kernel has no instruction of its name: the sources table puts it under the op whose
     instruction the trace says launched it (a check GEMM's, a product's), and where the trace names
-    only a command buffer, under the cuBLAS family as before; a fusion goes by its own name."""
+    only a command buffer, under the cuBLAS family as before; a fusion goes by its own name, and a
+    Mosaic kernel (whose instruction is a pallas_call's) keeps its family's row."""
     import gzip
     import json
 
