@@ -11,7 +11,10 @@ partial sums are added afterwards) at the checks of the Llama-3-8B step's GEMMs,
 device time (profiler traces of one call), against XLA's checks and one f32 sum of x (one read of
 its bytes: ``reads`` = time / that read's). Every kernel result is checked against ``abft_checks``
 before it is timed (``benchmarks.matmul._same_checks``); a grid whose check fails is reported, not
-timed. XLA's checks are also timed with K cut into 2, 4 and 8 slices (``xla_s{S}_us``), the slices'
+timed. XLA's two check GEMMs are also timed apart (``c_us``, ``mag_us``; a probe of the same two
+GEMMs on an H100, 2026-12-06, before these columns existed, had each near one read of x where x is
+long: mag 89.5 µs and c 102.6 at K = 14336 against 77 for the read; not yet run as this suite).
+XLA's checks are also timed with K cut into 2, 4 and 8 slices (``xla_s{S}_us``), the slices'
 products one batched GEMM: more output tiles for a narrow check GEMM with a long K. On an H100
 (2026-12-06, checks-s53split) every cut was as slow or slower than XLA's uncut GEMMs (191.7 µs
 uncut at K = 14336, 195.5-221.0 cut), so the protected GEMMs keep K whole.
@@ -84,6 +87,7 @@ def run(m: int = 8192, grids=GRIDS, seed: int = 0) -> list[dict]:
             "xla_us": _us(xla, x, enc),
             "xla_plain_us": _us(plain, x, enc),
         }
+        row.update(_xla_parts(x, enc, want, abs_sums, name, c_terms, mag_terms, transposed))
         row.update(_xla_splits(x, enc, want, name, transposed))
         if not checks_kernel_applies(x, enc.sums, c_terms, mag_terms, transposed):
             row["kernel"] = "not taken (checks_kernel_applies)"
@@ -103,6 +107,21 @@ def run(m: int = 8192, grids=GRIDS, seed: int = 0) -> list[dict]:
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def _xla_parts(x, enc, want, abs_sums, name, c_terms: int, mag_terms: int, transposed: bool) -> dict:
+    """``c_us`` and ``mag_us``: XLA's two check GEMMs timed apart (c = x·[c1, c2 terms], mag =
+    |x|·[Σ|w| terms], as ``_checks_reference`` forms them), both checked against XLA's checks
+    first (``parts_error`` where they differ): how far each is from one read of x."""
+    sums = enc.sums.reshape(*enc.sums.shape[:-2], -1)  # (*g, K, nb * 2)
+    c_fn = jax.jit(lambda v, s: _abft._split_dot(v, s, c_terms, transposed))
+    mag_fn = jax.jit(lambda v, a: _abft._split_dot(jnp.abs(v), a, mag_terms, transposed))
+    got = (c_fn(x, sums).reshape(want[0].shape), mag_fn(x, abs_sums))
+    try:
+        _same_checks(f"{name} c, mag apart", want, got, x, enc, transposed)
+    except AssertionError as err:
+        return {"parts_error": str(err)}
+    return {"c_us": _us(c_fn, x, sums), "mag_us": _us(mag_fn, x, abs_sums)}
 
 
 def _xla_splits(x, enc, want, name, transposed, splits=XLA_SPLITS) -> dict:

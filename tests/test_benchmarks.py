@@ -38,7 +38,8 @@ def test_checks_suite_checks_every_grid_against_xlas_checks(monkeypatch):
     rows = checks.run(m=40, grids=((16, 2), (32, 1)))
     assert [r["op"] for r in rows] == ["fwd", "dw"]
     for r in rows:
-        assert {"bm16_s2_us", "bm32_s1_us", "plain_bm16_s2_us", "xla_s2_us", "xla_s8_us"} <= set(r), r
+        want = {"bm16_s2_us", "bm32_s1_us", "plain_bm16_s2_us", "xla_s2_us", "xla_s8_us", "c_us", "mag_us"}
+        assert want <= set(r), r
         assert r["best"] == "bm16_s2" and r["xla_reads"] == 1.0
         assert not any(k.endswith("_error") for k in r), r
         assert r["columns"] == 7 * (384 if r["op"] == "fwd" else 256) // 128  # 3 + 3 + 1 terms a block
