@@ -656,6 +656,8 @@ def summarize(
     # even inside a command buffer, so a step of many small kernels idles between them.
     out = dict(timeline=timeline, steps=steps, total_ms=total / 1e3, events=n / steps)
     out.update(kernels=table(names), scopes=table(scopes))
+    for r in out["kernels"]:  # launches per step: XLA runs identical fusions as one kernel name
+        r["count"] = counts[r["name"]] / steps
     if sources is not None:
         for r in out["kernels"]:
             r["source"] = sources.get(r["name"], "")
@@ -736,7 +738,12 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
             busy = "(of it, with another program's kernel or copy running)"
             kernels.append(dict(kernel=busy, ms_per_step=si["between_busy_ms"]))
     for r in summary["kernels"]:
-        row = {"kernel": r["name"][:90], "ms_per_step": r["ms"], "share": r["share"]}
+        row = {
+            "kernel": r["name"][:90],
+            "ms_per_step": r["ms"],
+            "share": r["share"],
+            "count_per_step": r["count"],
+        }
         if "sources" in summary:
             row["hlo_op"] = r.get("source", "")[-90:]
         kernels.append(row)
@@ -982,7 +989,8 @@ def main() -> None:
         print(f"\n{title} (ms per step{what}):")
         for r in s[title][: args.top]:
             src = f"  <- {r['source'][-70:]}" if r.get("source") else ""
-            n = f"  {r['count']:6.0f} kernels" if "count" in r else ""
+            unit = "launches" if title == "kernels" else "kernels"
+            n = f"  {r['count']:6.0f} {unit}" if "count" in r else ""
             print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%{n}  {r['name'][:100]}{src}")
     if "sources" in s:
         print("\nby category (ms per step):")

@@ -865,6 +865,7 @@ def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(mon
     assert s["steps"] == 3 and abs(s["total_ms"] - (300 + 30 - 5) / 3 / 1e3) < 1e-12
     assert s["events"] == (9 - 4) / 3  # events per step, differenced like the times
     assert [(r["name"], round(r["ms"] * 1e3, 9)) for r in s["kernels"]] == [("gemm", 100.0), ("check", 10.0)]
+    assert [r["count"] for r in s["kernels"]] == [1.0, 1.0]  # launches per step, differenced
     assert abs(s["kernels"][0]["share"] - 100.0 / ((300 + 30 - 5) / 3)) < 1e-12
     assert abs(s["idle_ms"] - 60.0 / 1e3) < 1e-12 and s["idle_measured"]
     assert [(g["before"], g["after"], round(g["ms"] * 1e3, 9)) for g in s["gaps"]] == [
