@@ -626,16 +626,18 @@ def _columns(y, widths) -> tuple:
     return tuple(y[..., o : o + w] for o, w in zip(_offsets(widths), widths, strict=True))
 
 
-def _widths_if_merged(a, bs, policy, out_dtype, impl) -> list[int] | None:
-    """The weights' widths where the forward products are one (:func:`_merges_forward`): ``_pmm``
-    then returns that product whole, (G, R, ΣN), and its callers split it; else None."""
-    return [b.shape[2] for b in bs] if _merges_forward(a, bs, policy, out_dtype, impl) else None
+def _widths_if_merged(ys, bs) -> list[int] | None:
+    """The weights' widths where ``_pmm``'s products ``ys`` (or their cotangents) are one product
+    of several weights (:func:`_merges_forward` decided so: it returns that product whole, (G, R,
+    ΣN), and its callers split it), else None: read off the products' count, so the forward's one
+    decision is the only one."""
+    return [b.shape[2] for b in bs] if len(ys) != len(bs) else None
 
 
 def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
     a, bs, encs, encs_t, faults = res
     dys, _ = cts
-    widths = _widths_if_merged(a, bs, policy, out_dtype, impl)
+    widths = _widths_if_merged(dys, bs)
     del out_dtype
     # The backward GEMMs run on the operands' own dtype with f32 accumulation, as the forward does:
     # bf16 x bf16 products are exact in f32, so the f32 bound holds, and the tensor cores run at
@@ -791,8 +793,10 @@ def _merged_forward(a, bs, encs, policy: FaultPolicy, faults, precision, impl, o
     whole, and returned whole (``_pmm`` gives (G, R, ΣN); ``_matmuls`` names it, then slices it).
     In the 4-layer Llama-3-8B-dimension step on an H100 all three slices were still copied out,
     0.47 ms of copies against 0.44 before (profile-protect-s56b, -s56old): the rematerialisation
-    policy kept each slice, named one by one; the product is named whole since
-    (``protected_matmuls(..., checkpoint=...)``), not yet measured on a GPU."""
+    policy kept each slice, named one by one. Named whole since (``protected_matmuls(...,
+    checkpoint=...)``), only v's slice is copied in the forward (the flash kernel takes v whole):
+    the step's slices of the product 0.26 ms (profile-protect-s57nocb, which also counts the merged
+    weight gradient's three slices)."""
     # (G, K, ΣN), written once: without the barrier XLA formed it twice, for the GEMM and for the
     # redo kernel that reads it (profile-protect-s56).
     b = lax.optimization_barrier(jnp.concatenate(bs, axis=-1))
@@ -945,7 +949,7 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl, checkpo
         ys, report = _pmm(x1, ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
         if checkpoint is not None:
             ys = tuple(checkpoint_name(y, checkpoint) for y in ys)
-        widths = _widths_if_merged(x1, ws1, policy, out_dtype, impl)
+        widths = _widths_if_merged(ys, ws1)
         if widths is not None:  # the one product, named whole: its slices are views of what is kept
             ys = _columns(ys[0], widths)
     return tuple(y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)), report
