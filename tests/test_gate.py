@@ -41,6 +41,19 @@ def test_native_matches_reference_bit_exactly(dtype, shape, limit):
     assert np.all(np.isfinite(np.asarray(y_n.astype(jnp.float32))))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [math.inf, float(np.finfo(np.float32).max), 1.0, 0.0])
+def test_keep_is_finite_and_within_the_limit_at_the_edges(dtype, limit):
+    # gate_keep is one compare (|x| <= min(limit, FLT_MAX)); it must equal the two-part rule at the
+    # values where they could part: the largest finite values, the limit itself, zeros, Inf, NaN.
+    big = float(jnp.finfo(dtype).max)
+    vals = [math.nan, math.inf, -math.inf, big, -big, 0.0, -0.0, 1.0, -1.0, 1.0 + 2.0**-7, 2.0**-20]
+    x = jnp.asarray(vals, jnp.float32).astype(dtype)
+    xf = np.asarray(x.astype(jnp.float32))
+    want = np.isfinite(xf) & (np.abs(xf) <= limit)
+    assert np.array_equal(np.asarray(ops._gate.gate_keep(x, limit)), want)
+
+
 def test_gradient_passes_only_kept_values_and_is_finite():
     x = jnp.array([1.0, jnp.nan, -2.0, jnp.inf, 100.0])
     g = jax.grad(lambda a: jnp.sum(ops.gate(a, limit=10.0)[0] * jnp.arange(5.0)))(x)
