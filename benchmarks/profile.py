@@ -29,7 +29,9 @@ the trace's own scopes name only the buffer), with a table of all kernels groupe
 kernels launched per step). cuBLAS's kernels have no instruction of their name: the table puts
 them under the op whose instruction launched them where the trace names it, which XLA's command
 buffers hide (``--no-command-buffers`` runs without them, so every GEMM, the check GEMMs that run
-on cuBLAS too, is attributed; the step then runs as it does not by default). ``--compare`` runs
+on cuBLAS too, is attributed; the step then runs as it does not by default). Each op's row keeps
+its cuBLAS kernels' share (``cublas_ms_per_step``), which the categories count as GEMMs whatever
+the op is called (an unprotected step's weight gradients run under ``.../transpose``). ``--compare`` runs
 nothing: it sets two such tables (``profile-sources`` files of the protected and the unprotected
 step) side by side per op (``profile-compare``) and per category (``profile-categories``:
 attention, GEMMs, check GEMMs, the checks' verify, encodes and XLA ops, the parameter memory's
@@ -576,11 +578,17 @@ CATEGORIES = (
 )
 
 
-def category(op: str) -> str:
+def category(op: str, library: bool = False) -> str:
     """The :data:`CATEGORIES` entry an op of a sources table belongs to (``OTHER`` if none). A
     protected product's own GEMM may be an XLA fusion under ``pimlayers.protected_matmul`` (its
     ``dot_general``): that is a GEMM, not a check, so the GEMMs' patterns are tried for a
-    ``dot_general`` before the checks' XLA ops."""
+    ``dot_general`` before the checks' XLA ops. ``library``: the op's cuBLAS kernels (a sources
+    row's ``cublas_ms_per_step``), a GEMM whatever the op's last name: check GEMMs or attention's if
+    the op is theirs, else GEMMs (an unprotected step's weight gradients run under ops named
+    ``.../transpose``, profile-sources-s58off)."""
+    if library:
+        named = dict(CATEGORIES)
+        return next((c for c in ("check GEMMs", "attention") if any(p in op for p in named[c])), "GEMMs")
     for name, patterns in CATEGORIES:
         if name.startswith("checks: XLA") and op.endswith("/dot_general"):
             continue
@@ -591,15 +599,26 @@ def category(op: str) -> str:
 
 def categories(rows: list[dict]) -> dict[str, dict]:
     """A sources table's ops added up by :func:`category`: ``{category: {ms_per_step, count_per_step}}``
-    (the totals' row left out)."""
+    (the totals' row left out). A row's cuBLAS share (``cublas_ms_per_step``, tables since
+    profile-sources-s58) goes by ``category(op, library=True)``, the rest by the op's name."""
     out: dict[str, dict] = {}
+
+    def add(name: str, ms: float, n) -> None:
+        c = out.setdefault(name, {"ms_per_step": 0.0, "count_per_step": 0.0})
+        c["ms_per_step"] += ms
+        c["count_per_step"] += 0.0 if n is None or n != n else n
+
     for r in rows:
         if r["op"].startswith(TOTAL):
             continue
-        c = out.setdefault(category(r["op"]), {"ms_per_step": 0.0, "count_per_step": 0.0})
-        c["ms_per_step"] += r.get("ms_per_step", 0.0)
+        lib, lib_n = r.get("cublas_ms_per_step", 0.0), r.get("cublas_count_per_step", 0.0)
         n = r.get("count_per_step", 0.0)
-        c["count_per_step"] += 0.0 if n is None or n != n else n
+        if lib:
+            add(category(r["op"], library=True), lib, lib_n)
+        if not lib or r.get("ms_per_step", 0.0) - lib > 1e-12:
+            add(
+                category(r["op"]), r.get("ms_per_step", 0.0) - lib, None if n is None or n != n else n - lib_n
+            )
     return out
 
 
@@ -667,14 +686,21 @@ def summarize(
             pairs, pair_counts = _minus(pairs, pairs0), _minus(pair_counts, pair_counts0)
         by_op: collections.Counter = collections.Counter()
         launches: collections.Counter = collections.Counter()
+        library: collections.Counter = collections.Counter()  # of by_op: cuBLAS kernels' time
+        library_n: collections.Counter = collections.Counter()  # and launches
         for (name, inst), us in pairs.items():
             path = _source(name, inst, sources)
             op = _group(path) if path else _family(name, fused)
             by_op[op] += us
             launches[op] += pair_counts[(name, inst)]
+            if path and name not in sources:  # a library (cuBLAS) kernel under its instruction's op
+                library[op] += us
+                library_n[op] += pair_counts[(name, inst)]
         out["sources"] = table(by_op, None)  # every op: the categories add them all up
         for r in out["sources"]:  # kernels launched per step for the op (each a launch gap)
             r["count"] = launches[r["name"]] / steps
+            r["cublas_ms"] = max(library[r["name"]], 0.0) / steps / 1e3
+            r["cublas_count"] = max(library_n[r["name"]], 0) / steps
     if timeline == "device":
         idle, (host, calls) = _idle(trace_dir), _host(trace_dir)
         if base_dir is not None:
@@ -751,6 +777,11 @@ def result_tables(summary: dict, protect: bool) -> dict[str, list[dict]]:
     if "sources" in summary:
         tables["profile-sources"] = [{"op": TOTAL, **total}] + [
             {"op": r["name"], "ms_per_step": r["ms"], "share": r["share"], "count_per_step": r["count"]}
+            | (
+                {"cublas_ms_per_step": r["cublas_ms"], "cublas_count_per_step": r["cublas_count"]}
+                if r.get("cublas_ms")
+                else {}
+            )
             for r in summary["sources"]
         ]
     gaps = summary.get("step_idle", {}).get("gaps")
@@ -995,7 +1026,14 @@ def main() -> None:
     if "sources" in s:
         print("\nby category (ms per step):")
         by = categories(
-            [{"op": r["name"], "ms_per_step": r["ms"], "count_per_step": r["count"]} for r in s["sources"]]
+            [
+                {"op": r["name"], "ms_per_step": r["ms"], "count_per_step": r["count"]}
+                | {
+                    "cublas_ms_per_step": r.get("cublas_ms", 0.0),
+                    "cublas_count_per_step": r.get("cublas_count", 0.0),
+                }
+                for r in s["sources"]
+            ]
         )
         for name, v in sorted(by.items(), key=lambda kv: -kv[1]["ms_per_step"]):
             print(f"  {v['ms_per_step']:10.2f} ms  {v['count_per_step']:6.0f} kernels  {name}")

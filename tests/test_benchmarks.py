@@ -767,6 +767,10 @@ def test_profile_sources_attribute_library_kernels_by_their_launching_instructio
             event("gemm_fusion_dot_100", 40.0, hlo_op="command_buffer_967"),
             event("Memcpy not a kernel", 5.0, hlo_op="p/q r"),  # no instruction recorded
             event("entry_mosaic_gpu_kernel", 60.0, hlo_op="custom-call.7"),  # a pallas_call's
+            # An unprotected step's weight gradient: cuBLAS under an op named .../transpose, beside
+            # a transpose fusion of that name (not a GEMM).
+            event("nvjet_sm90_tst_128x256", 80.0, hlo_op="custom-call.40"),
+            event("loop_transpose_fusion", 9.0, hlo_op="loop_transpose_fusion"),
         ]
     }
     (tmp_path / "t.trace.json.gz").write_bytes(gzip.compress(json.dumps(trace).encode()))
@@ -777,21 +781,33 @@ def test_profile_sources_attribute_library_kernels_by_their_launching_instructio
         "custom-call.35": "pimlayers.flax.nnx.LlamaMLP.down/pimlayers.protected_matmul/dot_general",
         "gemm_fusion_dot_100": checks,
         "custom-call.7": "pimlayers.flax.nnx.Attention.core/mpmd_map",
+        "custom-call.40": "pimlayers.flax.nnx.LlamaMLP.down/transpose",
+        "loop_transpose_fusion": "pimlayers.flax.nnx.LlamaMLP.down/transpose",
     }
     s = profile.summarize(tmp_path, sources=sources)
-    by_op = {r["name"]: (round(r["ms"] * 1e3, 6), r["count"]) for r in s["sources"]}
-    assert by_op == {
-        "pimlayers.abft_checks/dot_general": (70.0, 2),  # cuBLAS's check GEMM and the fusion
-        "pimlayers.protected_matmul/dot_general": (20.0, 1),
-        "(cuBLAS kernels)": (50.0, 1),  # inside a command buffer: not attributable
-        "(Memcpy not a kernel)": (5.0, 1),
-        profile.MOSAIC: (60.0, 1),  # the family's row, as before: the attention category
+    by_op = {
+        r["name"]: (round(r["ms"] * 1e3, 6), r["count"], round(r["cublas_ms"] * 1e3, 6)) for r in s["sources"]
     }
-    cats = profile.categories(
-        [{"op": k, "ms_per_step": v[0] / 1e3, "count_per_step": v[1]} for k, v in by_op.items()]
-    )
+    assert by_op == {  # (µs, launches, of which µs on cuBLAS)
+        "pimlayers.abft_checks/dot_general": (70.0, 2, 30.0),  # cuBLAS's check GEMM and the fusion
+        "pimlayers.protected_matmul/dot_general": (20.0, 1, 20.0),
+        "(cuBLAS kernels)": (50.0, 1, 0.0),  # inside a command buffer: not attributable
+        "(Memcpy not a kernel)": (5.0, 1, 0.0),
+        profile.MOSAIC: (60.0, 1, 0.0),  # the family's row, as before: the attention category
+        "pimlayers.flax.nnx.LlamaMLP.down/transpose": (89.0, 2, 80.0),
+    }
+    tables = profile.result_tables(s, protect=True)  # what a results file keeps
+    rows = tables["profile-sources"]
+    assert {r["op"]: r.get("cublas_count_per_step", 0) for r in rows[1:]}[
+        "pimlayers.flax.nnx.LlamaMLP.down/transpose"
+    ] == 1
+    cats = profile.categories(rows)
     assert cats["check GEMMs"]["ms_per_step"] == pytest.approx(0.070)
     assert cats["attention"]["ms_per_step"] == pytest.approx(0.060)
+    # The cuBLAS kernels under .../transpose are GEMMs; the transpose fusion stays with the rest.
+    assert cats["GEMMs"]["ms_per_step"] == pytest.approx(0.020 + 0.050 + 0.080)
+    assert cats["GEMMs"]["count_per_step"] == pytest.approx(3)
+    assert cats[profile.OTHER]["ms_per_step"] == pytest.approx(0.005 + 0.009)
 
 
 def test_profile_difference_of_two_runs_is_per_step_and_cancels_one_off_work(monkeypatch, tmp_path):
