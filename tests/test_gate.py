@@ -42,16 +42,20 @@ def test_native_matches_reference_bit_exactly(dtype, shape, limit):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("limit", [math.inf, float(np.finfo(np.float32).max), 1.0, 0.0])
-def test_keep_is_finite_and_within_the_limit_at_the_edges(dtype, limit):
-    # gate_keep is one compare (|x| <= min(limit, FLT_MAX)); it must equal the two-part rule at the
-    # values where they could part: the largest finite values, the limit itself, zeros, Inf, NaN.
+@pytest.mark.parametrize("limit", [None, float(np.finfo(np.float32).max), 1.0, 0.0])
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_edge_values_are_kept_only_when_finite_and_within_the_limit(dtype, limit, impl):
+    # Where a cheaper rule could part from "finite and |x| <= limit": the largest finite values,
+    # the limit itself and just past it, signed zeros, Inf, NaN.
     big = float(jnp.finfo(dtype).max)
     vals = [math.nan, math.inf, -math.inf, big, -big, 0.0, -0.0, 1.0, -1.0, 1.0 + 2.0**-7, 2.0**-20]
     x = jnp.asarray(vals, jnp.float32).astype(dtype)
+    y, counts = ops.gate(x, fill=-0.5, limit=limit, impl=impl)
     xf = np.asarray(x.astype(jnp.float32))
-    want = np.isfinite(xf) & (np.abs(xf) <= limit)
-    assert np.array_equal(np.asarray(ops._gate.gate_keep(x, limit)), want)
+    keep = np.isfinite(xf) & (np.abs(xf) <= (math.inf if limit is None else limit))
+    yf = np.asarray(y.astype(jnp.float32))
+    assert int(counts) == int((~keep).sum())
+    assert np.array_equal(yf[keep], xf[keep]) and np.all(yf[~keep] == -0.5)
 
 
 def test_gradient_passes_only_kept_values_and_is_finite():
