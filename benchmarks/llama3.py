@@ -17,12 +17,15 @@ store, no faults. The throughput is the median step (the first step, which compi
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
+from pimlayers.ops._checks_kernel import checks_kernel_wanted
 from train.llama3 import TrainConfig, recompute_mode, train
 
 __all__ = ["Step", "run", "step_config"]
@@ -40,6 +43,7 @@ class Step(NamedTuple):
     weighted_checks: bool = True
     cast_on_scrub: bool = True
     fused_update: bool = True
+    checks_kernel: bool = False  # PIMLAYERS_CHECKS_KERNEL=1 while this step is traced
 
 
 def run(
@@ -60,6 +64,7 @@ def run(
     also_remat: tuple[str, ...] = (),
     no_cast: bool = False,
     unfused_update: bool = False,
+    checks_kernel: bool = False,
 ) -> list[dict]:
     """``cudnn_peer`` (default: on a GPU) adds an unprotected step whose attention is cuDNN's flash
     kernel (``--flash on``): the plain-JAX step the performance goal compares against, where the
@@ -91,7 +96,11 @@ def run(
     default protected step with each layer casting its kernels instead (as before 2026-12-06);
     the protected steps take AdamW's step fused with the encode of its result
     (``TrainConfig.fused_update``); ``unfused_update`` adds the default protected step with the
-    step, then the encode (as before 2026-12-06)."""
+    step, then the encode (as before 2026-12-06). ``checks_kernel`` adds the default protected step
+    traced with ``PIMLAYERS_CHECKS_KERNEL=1``: the opt-in one-read Triton checks kernel in place of
+    XLA's check GEMMs where it takes them (an NVIDIA GPU, up to 224 columns); a row's
+    ``checks_kernel`` says whether it was asked for, ``checks_kernel_ran`` whether the process's GPU
+    ran it (never on a CPU, where the setting changes nothing)."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -116,14 +125,17 @@ def run(
     configs += [guarded._replace(fused=True, weighted_checks=False)] if plain_checks and fused else []
     configs += [guarded._replace(cast_on_scrub=False)] if no_cast else []
     configs += [guarded._replace(fused_update=False)] if unfused_update else []
+    configs += [guarded._replace(checks_kernel=True)] if checks_kernel else []
     runs = [(remat_policy, c) for c in configs]
     for extra in also_remat:
         runs += [(extra, bare._replace(flash="on"))] if cudnn_peer else []
         runs += [(extra, guarded)]
     for remat, c in runs:
-        with tempfile.TemporaryDirectory() as tmp:
+        env = "1" if c.checks_kernel else None
+        with tempfile.TemporaryDirectory() as tmp, _environ("PIMLAYERS_CHECKS_KERNEL", env):
             cfg = step_config(layers, steps, n, seq, config, dtype, flip_every, remat, tmp, c)
-            s = train(cfg)
+            s = train(cfg)  # traces its step afresh: the setting is read as the GEMMs are traced
+            kernel = checks_kernel_wanted()
         inj, g, m = s["injected"], s["gemm"], s["memory"]
         rows.append(
             {
@@ -140,6 +152,8 @@ def run(
                 "update": ("fused with the encode" if c.fused_update else "then encode")
                 if c.protect
                 else None,
+                "checks_kernel": c.checks_kernel if c.protect else None,  # asked for
+                "checks_kernel_ran": kernel if c.protect else None,  # and the GPU ran it
                 "attention": _attention_label(c.protect, c.flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),
@@ -180,6 +194,23 @@ def run(
         if cudnn is not None:
             r["on_over_cudnn"] = r["tokens_per_s"] / cudnn["tokens_per_s"]
     return rows
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None):
+    """``name`` set to ``value`` inside (None: left as the process has it), restored after."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def step_config(
@@ -257,6 +288,7 @@ def quick(
     also_remat: tuple[str, ...] = (),
     no_cast: bool = False,
     unfused_update: bool = False,
+    checks_kernel: bool = False,
 ) -> list[dict]:
     """A smoke run of the suite's machinery at toy size (CI)."""
     return run(
@@ -274,4 +306,5 @@ def quick(
         also_remat=also_remat,
         no_cast=no_cast,
         unfused_update=unfused_update,
+        checks_kernel=checks_kernel,
     )

@@ -15,6 +15,8 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --loop --no-recompu
                                                      # also the GEMMs' recompute loop, and none
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --plain-checks
                                                      # also with the plain checksums alone
+python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --checks-kernel
+                                                     # also with the one-read checks kernel
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --no-recompute --remat-policy full
                                                      # blocks recompute their GEMMs' products
 python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --also-remat gemms_weights
@@ -138,6 +140,12 @@ def main() -> None:
         "checksums alone: 4 check columns per 128-column block on a GPU instead of 7)",
     )
     ap.add_argument(
+        "--checks-kernel",
+        action="store_true",
+        help="llama3: also protected with the one-read checks kernel (PIMLAYERS_CHECKS_KERNEL=1 while "
+        "that step is traced; an NVIDIA GPU runs it, up to 224 check columns)",
+    )
+    ap.add_argument(
         "--remat-policy",
         choices=sorted(REMAT_POLICIES),
         default="gemms",
@@ -231,6 +239,7 @@ def main() -> None:
                 also_remat=also_remat,
                 no_cast=args.no_cast,
                 unfused_update=args.unfused_update,
+                checks_kernel=args.checks_kernel,
             ),
         ),
     ):

@@ -271,6 +271,8 @@ def test_goals_step_rows_of_another_remat_policy_name_it_and_their_own_peer():
         peer("gemms", 100.0, 0.5) | dict(on_over_cudnn=1.0),
         on("gemms", 125.0, 0.8, 0.4),
         on("gemms", 127.0, 0.79, 0.39) | dict(weights="cast by each layer"),  # --no-cast
+        on("gemms", 120.0, 0.83, 0.42) | dict(checks_kernel=True, checks_kernel_ran=True),  # --checks-kernel
+        on("gemms", 125.0, 0.8, 0.4) | dict(checks_kernel=True, checks_kernel_ran=False),  # asked, no GPU
         peer("gemms_weights", 98.0, 0.51) | dict(on_over_cudnn=1.0),
         on("gemms_weights", 122.5, 0.8, 0.41),
     ]
@@ -278,6 +280,8 @@ def test_goals_step_rows_of_another_remat_policy_name_it_and_their_own_peer():
     assert [(g["case"], g["peer"]) for g in got] == [
         ("recompute: device kernel", "cuDNN step 100 ms"),
         ("recompute: device kernel, kernels cast by each layer", "cuDNN step 100 ms"),
+        ("recompute: device kernel, one-read checks kernel", "cuDNN step 100 ms"),
+        ("recompute: device kernel, one-read checks kernel (asked; not run here)", "cuDNN step 100 ms"),
         ("recompute: device kernel, remat gemms_weights", "cuDNN step 98 ms"),
     ]
 
@@ -463,7 +467,15 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
             also_remat=("gemms_weights",),
             no_cast=True,
             unfused_update=True,
+            checks_kernel=True,
         )
+    # --checks-kernel: the default protected step traced with PIMLAYERS_CHECKS_KERNEL=1, which no
+    # CPU runs (so the same training to the last bit), the setting gone again afterwards.
+    asked = [r for r in got if r["checks_kernel"]]
+    got = [r for r in got if not r["checks_kernel"]]
+    assert len(asked) == 1 and asked[0]["checks_kernel_ran"] is False
+    assert all(r["checks_kernel"] is (False if r["protect"] else None) for r in got)
+    assert "PIMLAYERS_CHECKS_KERNEL" not in os.environ
     # --also-remat: the peer and the default protected step again, keeping the cast kernels; in f32
     # there is no cast, so the same training to the last bit, each judged against its own peer.
     extra = [r for r in got if r["remat"] == "gemms_weights"]
@@ -489,6 +501,7 @@ def test_llama3_step_suite_runs_both_configurations_and_closes_the_fault_books()
     assert upd[0]["banks_repaired"] == default["banks_repaired"] > 0 and upd[0]["uncorrectable"] == 0
     assert abs(upd[0]["final_loss"] - default["final_loss"]) < 1e-5 * abs(default["final_loss"])
     assert layers_cast[0]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]
+    assert asked[0]["final_loss"] == default["final_loss"]
     assert all(r["program_gb"] > 0 for r in got)
     assert extra[1]["final_loss"] == rows[True, "materialised, verified", "whole GEMM"]["final_loss"]
     assert extra[1]["gemm_corrected"] == rows[True, "materialised, verified", "whole GEMM"]["gemm_corrected"]
