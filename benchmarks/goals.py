@@ -132,10 +132,10 @@ def _step(res: dict) -> list[dict]:
         case += ", plain checks" if r.get("checks") == "c1 only" else ""
         case += ", kernels cast by each layer" if r.get("weights") == "cast by each layer" else ""
         case += ", update then encode" if r.get("update") == "then encode" else ""
-        if r.get("checks_kernel"):
-            case += ", one-read checks kernel" + (
-                "" if r.get("checks_kernel_ran") else " (asked; not run here)"
-            )
+        if r.get("checks_kernel_ran"):  # asked for, or on for the whole process
+            case += ", one-read checks kernel"
+        elif r.get("checks_kernel"):
+            case += ", one-read checks kernel (asked; not run here)"
         case += f", remat {r.get('remat')}" if r.get("remat") != main else ""
         theirs = f"cuDNN step {peer['step_ms']:.4g} ms" if peer else ""
         ours = f"{r['step_ms']:.4g} ms, MFU {r['mfu']:.3f}"

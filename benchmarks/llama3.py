@@ -99,8 +99,9 @@ def run(
     step, then the encode (as before 2026-12-06). ``checks_kernel`` adds the default protected step
     traced with ``PIMLAYERS_CHECKS_KERNEL=1``: the opt-in one-read Triton checks kernel in place of
     XLA's check GEMMs where it takes them (an NVIDIA GPU, up to 224 columns); a row's
-    ``checks_kernel`` says whether it was asked for, ``checks_kernel_ran`` whether the process's GPU
-    ran it (never on a CPU, where the setting changes nothing)."""
+    ``checks_kernel`` says whether it was asked for, ``checks_kernel_ran`` whether the kernel was on
+    while the step was traced (the setting, by this option or the process's own, and a GPU that runs
+    it: the checks it takes then ran in it; never on a CPU, where the setting changes nothing)."""
     n = devices or len(jax.devices())
     if cudnn_peer is None:
         cudnn_peer = jax.default_backend() == "gpu"
@@ -153,7 +154,7 @@ def run(
                 if c.protect
                 else None,
                 "checks_kernel": c.checks_kernel if c.protect else None,  # asked for
-                "checks_kernel_ran": kernel if c.protect else None,  # and the GPU ran it
+                "checks_kernel_ran": kernel if c.protect else None,  # on while it was traced
                 "attention": _attention_label(c.protect, c.flash),
                 "devices": s["devices"],
                 "mesh": "x".join(f"{k}{v}" for k, v in s["mesh"].items()),

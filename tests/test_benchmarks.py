@@ -273,6 +273,7 @@ def test_goals_step_rows_of_another_remat_policy_name_it_and_their_own_peer():
         on("gemms", 127.0, 0.79, 0.39) | dict(weights="cast by each layer"),  # --no-cast
         on("gemms", 120.0, 0.83, 0.42) | dict(checks_kernel=True, checks_kernel_ran=True),  # --checks-kernel
         on("gemms", 125.0, 0.8, 0.4) | dict(checks_kernel=True, checks_kernel_ran=False),  # asked, no GPU
+        on("gemms", 121.0, 0.82, 0.41) | dict(checks_kernel=False, checks_kernel_ran=True),  # the process's
         peer("gemms_weights", 98.0, 0.51) | dict(on_over_cudnn=1.0),
         on("gemms_weights", 122.5, 0.8, 0.41),
     ]
@@ -282,6 +283,7 @@ def test_goals_step_rows_of_another_remat_policy_name_it_and_their_own_peer():
         ("recompute: device kernel, kernels cast by each layer", "cuDNN step 100 ms"),
         ("recompute: device kernel, one-read checks kernel", "cuDNN step 100 ms"),
         ("recompute: device kernel, one-read checks kernel (asked; not run here)", "cuDNN step 100 ms"),
+        ("recompute: device kernel, one-read checks kernel", "cuDNN step 100 ms"),
         ("recompute: device kernel, remat gemms_weights", "cuDNN step 98 ms"),
     ]
 
