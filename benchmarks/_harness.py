@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -22,6 +23,24 @@ import jax
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+@contextlib.contextmanager
+def environ(name: str, value: str | None):
+    """``name`` set to ``value`` in the process's environment inside (None: left as it is), as it was
+    after (the library reads its switches, e.g. ``PIMLAYERS_CHECKS_KERNEL``, when it traces)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def _batch(fn: Callable[..., Any], args, iters: int) -> float:

@@ -17,8 +17,6 @@ store, no faults. The throughput is the median step (the first step, which compi
 
 from __future__ import annotations
 
-import contextlib
-import os
 import tempfile
 from typing import NamedTuple
 
@@ -27,6 +25,8 @@ import numpy as np
 
 from pimlayers.ops._checks_kernel import checks_kernel_wanted
 from train.llama3 import TrainConfig, recompute_mode, train
+
+from ._harness import environ
 
 __all__ = ["Step", "run", "step_config"]
 
@@ -133,7 +133,7 @@ def run(
         runs += [(extra, guarded)]
     for remat, c in runs:
         env = "1" if c.checks_kernel else None
-        with tempfile.TemporaryDirectory() as tmp, _environ("PIMLAYERS_CHECKS_KERNEL", env):
+        with tempfile.TemporaryDirectory() as tmp, environ("PIMLAYERS_CHECKS_KERNEL", env):
             cfg = step_config(layers, steps, n, seq, config, dtype, flip_every, remat, tmp, c)
             s = train(cfg)  # traces its step afresh: the setting is read as the GEMMs are traced
             kernel = checks_kernel_wanted()
@@ -195,23 +195,6 @@ def run(
         if cudnn is not None:
             r["on_over_cudnn"] = r["tokens_per_s"] / cudnn["tokens_per_s"]
     return rows
-
-
-@contextlib.contextmanager
-def _environ(name: str, value: str | None):
-    """``name`` set to ``value`` inside (None: left as the process has it), restored after."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def step_config(

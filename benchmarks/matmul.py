@@ -22,9 +22,6 @@ locate=False)``): on a Hopper GPU the fused kernel then forms c1 and mag itself 
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +38,7 @@ from pimlayers.ops._checks_kernel import checks_kernel, checks_kernel_applies
 from pimlayers.ops._fused_gemm import TILE, check_tiles_of, fused_gemm, fused_gemm_checked, hopper
 from pimlayers.ops._redo_kernel import _device_runs_it, redo_kernel_chosen
 
-from ._harness import time_fn, time_pair
+from ._harness import environ, time_fn, time_pair
 from .profile import device_ms, kernel_events
 
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
@@ -226,25 +223,12 @@ def _checks_kernel_timed(x, enc: WeightChecksums) -> bool:
     return _gpu_runs_checks_kernel() and checks_kernel_applies(x, enc.sums, 3, 2, False)
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def _asking_for_checks_kernel(fn):
     """``fn`` (jitted) traced with ``PIMLAYERS_CHECKS_KERNEL=1`` (its first call traces it; later calls
     reuse that program)."""
 
     def run(*args):
-        with _env("PIMLAYERS_CHECKS_KERNEL", "1"):
+        with environ("PIMLAYERS_CHECKS_KERNEL", "1"):
             return fn(*args)
 
     return run
