@@ -11,9 +11,9 @@ partial sums are added afterwards) at the checks of the Llama-3-8B step's GEMMs,
 device time (profiler traces of one call), against XLA's checks and one f32 sum of x (one read of
 its bytes: ``reads`` = time / that read's). Every kernel result is checked against ``abft_checks``
 before it is timed (``benchmarks.matmul._same_checks``); a grid whose check fails is reported, not
-timed. XLA's two check GEMMs are also timed apart (``c_us``, ``mag_us``; a probe of the same two
-GEMMs on an H100, 2026-12-06, before these columns existed, had each near one read of x where x is
-long: mag 89.5 µs and c 102.6 at K = 14336 against 77 for the read; not yet run as this suite).
+timed. XLA's two check GEMMs are also timed apart (``c_us``, ``mag_us``): each is near one read of
+x where x is long (H100, 2026-12-07, checks-s58: c 102.2 µs and mag 93.0 at K = 14336 against 76.3
+for the read).
 XLA's checks are also timed with K cut into 2, 4 and 8 slices (``xla_s{S}_us``), the slices'
 products one batched GEMM: more output tiles for a narrow check GEMM with a long K. On an H100
 (2026-12-06, checks-s53split) every cut was as slow or slower than XLA's uncut GEMMs (191.7 µs

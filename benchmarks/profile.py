@@ -527,9 +527,10 @@ def _family(kernel: str, fused: bool = False) -> str:
 # Where a step's device time goes, coarser than ops: each op of a sources table (its ``_group`` or
 # ``_family`` name) falls in the first category one of whose patterns it contains. Protection's
 # cost per category is the protected step's time less the unprotected one's (``compare_categories``).
-# cuBLAS's kernels carry no HLO op in the trace: a check GEMM that XLA hands to cuBLAS (rather than
-# to its own GEMM fusion) counts among the GEMMs (on an H100, 2026-12-06: 60 such kernels, ~0.6 ms
-# of a 4-layer step).
+# cuBLAS's kernels carry no HLO op of their name: attributed to the instruction that launched them
+# (outside command buffers), their time is a row's ``cublas_ms_per_step`` and counts as a GEMM of
+# the op's kind (``category(op, library=True)``); inside command buffers they stay one
+# "(cuBLAS kernels)" row among the GEMMs, the check GEMMs that XLA hands to cuBLAS with them.
 OTHER = "other: norms, activations, optimizer, copies"
 CATEGORIES = (
     ("Mosaic GPU kernels: attention and the fused GEMM", (MOSAIC_FUSED,)),
