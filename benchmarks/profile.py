@@ -583,7 +583,8 @@ def category(op: str, library: bool = False) -> str:
     """The :data:`CATEGORIES` entry an op of a sources table belongs to (``OTHER`` if none). A
     protected product's own GEMM may be an XLA fusion under ``pimlayers.protected_matmul`` (its
     ``dot_general``): that is a GEMM, not a check, so the GEMMs' patterns are tried for a
-    ``dot_general`` before the checks' XLA ops. ``library``: the op's cuBLAS kernels (a sources
+    ``dot_general`` before the checks' XLA ops; AD's cotangent sums under it (``add_any``) are not
+    checks either (``OTHER``, as the unprotected step's). ``library``: the op's cuBLAS kernels (a sources
     row's ``cublas_ms_per_step``), a GEMM whatever the op's last name: check GEMMs or attention's if
     the op is theirs, else GEMMs (an unprotected step's weight gradients run under ops named
     ``.../transpose``, profile-sources-s58off)."""
@@ -591,7 +592,11 @@ def category(op: str, library: bool = False) -> str:
         named = dict(CATEGORIES)
         return next((c for c in ("check GEMMs", "attention") if any(p in op for p in named[c])), "GEMMs")
     for name, patterns in CATEGORIES:
-        if name.startswith("checks: XLA") and op.endswith("/dot_general"):
+        # Under a protected product's name but not check work: its own GEMM (a ``dot_general``
+        # fusion) and AD's sums of its operands' cotangents (``add_any``: q, k and v's merged
+        # cotangent, written by the RoPE backward's fusion, 0.55 ms in profile-sources-s58on, which
+        # the unprotected step does under attention's ops).
+        if name.startswith("checks: XLA") and op.endswith(("/dot_general", "/add_any")):
             continue
         if any(p in op for p in patterns):
             return name

@@ -618,9 +618,10 @@ def test_profile_summary_sums_the_ops_of_a_traced_program(tmp_path):
 
 def test_profile_categories_name_where_protection_costs():
     """Every op of a step falls in one category: the library's CUDA kernels by what they do (verify,
-    encode, memory), a protected product's own XLA GEMM among the GEMMs and not among the checks'
-    ops; side by side, the categories' differences add up to the totals' and a table that kept only
-    its top ops gets a row for the rest."""
+    encode, memory), a protected product's own XLA GEMM among the GEMMs and its operands'
+    cotangent sums with the other ops, not among the checks' ops; side by side, the categories'
+    differences add up to the totals' and a table that kept only its top ops gets a row for the
+    rest."""
     from benchmarks import profile
 
     assert profile._family(
@@ -649,6 +650,8 @@ def test_profile_categories_name_where_protection_costs():
         "pimlayers.abft_checks/convert_element_type": "checks: XLA ops (split terms, counts, flags)",
         "pimlayers.protected_matmuls/reduce": "checks: XLA ops (split terms, counts, flags)",
         "pimlayers.protected_matmul/dot_general": "GEMMs",
+        "pimlayers.protected_matmuls/add_any": profile.OTHER,  # AD's sum of cotangents, no check
+        "pimlayers.protected_matmuls/add": "checks: XLA ops (split terms, counts, flags)",
         "(cuBLAS kernels)": "GEMMs",
         "pimlayers.flax.nnx.RMSNorm/mul": profile.OTHER,
         "add": profile.OTHER,
