@@ -584,9 +584,9 @@ def category(op: str, library: bool = False) -> str:
     protected product's own GEMM may be an XLA fusion under ``pimlayers.protected_matmul`` (its
     ``dot_general``): that is a GEMM, not a check, so the GEMMs' patterns are tried for a
     ``dot_general`` before the checks' XLA ops; AD's cotangent sums under it (``add_any``) are not
-    checks either (``OTHER``, as the unprotected step's). ``library``: the op's cuBLAS kernels (a sources
-    row's ``cublas_ms_per_step``), a GEMM whatever the op's last name: check GEMMs or attention's if
-    the op is theirs, else GEMMs (an unprotected step's weight gradients run under ops named
+    checks either (``OTHER``, as the unprotected step's). ``library``: the op's cuBLAS kernels (a
+    sources row's ``cublas_ms_per_step``), a GEMM whatever the op's last name: check GEMMs or
+    attention's if the op is theirs, else GEMMs (an unprotected step's weight gradients run under ops named
     ``.../transpose``, profile-sources-s58off)."""
     if library:
         named = dict(CATEGORIES)
