@@ -17,7 +17,9 @@ python -m benchmarks.profile --compare <profile-protect fused>.json <profile-pro
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
 run's one-off work (parameter initialisation, the first encode, the final repair and evaluation)
-cancelled. Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) in ms
+cancelled; a first, untraced run warms the process, and the two traced runs load its compiled step
+from JAX's compilation cache (a folder under ``--out``; ``--no-compile-cache``: each compiles it,
+as before 2026-12-07). Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``) in ms
 per step with each entry's share, then the time per step the device sat idle between its first and
 last kernel, with the largest gaps named by the kernels on either side (where the device waits for
 the host: a branch's predicate, a launch; gaps of 50 ms or more are host phases, apart), then the
@@ -866,6 +868,18 @@ def measured_on(tables: list[dict], paths: list[str]) -> dict[str, str]:
     return {k: str(tables[0][k]) for k in ("device", "jax", "python") if k in tables[0]}
 
 
+def share_compiles(folder: pathlib.Path, min_seconds: float = 1.0) -> None:
+    """JAX's persistent compilation cache in ``folder`` for this process's later compilations of at
+    least ``min_seconds``: a program compiled again, as each ``train()`` call jits its step afresh,
+    is then read back instead (its executable, so the same kernels and autotuning choices). The
+    profile's three runs compiled the step three times; on a 2-core CPU the small config's profile
+    (``--config llama3_small --layers 2 --seq 256 --steps 2 --protect --hlo-dump``) took 50 s with
+    the cache against 60 without (2026-12-07, one run each). A cache entry JAX cannot read is
+    compiled again, with a warning. The ``--hlo-dump`` programs are the warm run's, which compiles."""
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_seconds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama3_8b")
@@ -920,6 +934,12 @@ def main() -> None:
         help="also write the tables to benchmarks/results/<date>-profile-...-<TAG>-<device>.json",
     )
     ap.add_argument("--note", default="", help="with --save: a note stored with the tables")
+    ap.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile the step in each of the three runs (warm, base, traced) instead of the base "
+        "and traced runs loading the warm run's executable from JAX's compilation cache",
+    )
     ap.add_argument(
         "--compare",
         nargs=2,
@@ -991,7 +1011,10 @@ def main() -> None:
     from train.llama3 import TrainConfig, train
 
     # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
-    # so both traced runs compile it again and the difference cancels that.
+    # so both traced runs would compile it again (the difference cancels that): with the cache they
+    # load the warm run's executable instead, the same program, in a fraction of the time.
+    if not args.no_compile_cache:
+        share_compiles(out / "jax-cache")
     train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)

@@ -1657,6 +1657,31 @@ def test_profile_compare_sets_two_op_tables_side_by_side():
     assert by["gone"]["added_ms"] == pytest.approx(-0.5) and by["gone"]["protect_n"] == 0.0
 
 
+def test_profile_shares_a_compiled_program_between_its_runs(tmp_path):
+    """With ``share_compiles``, a program jitted afresh (as each of the profile's runs jits its step)
+    is read back from the cache instead of compiled again, and computes the same; in a fresh
+    process, since the cache is the process's."""
+    code = f"""
+import pathlib
+import jax, jax.numpy as jnp
+from jax import monitoring
+from benchmarks.profile import share_compiles
+hits = []
+monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
+share_compiles(pathlib.Path({str(tmp_path / "cache")!r}), min_seconds=0.0)
+x = jnp.arange(12.0).reshape(3, 4)
+first = jax.jit(lambda v: jnp.tanh(v @ v.T).sum(0))(x)  # two closures: two jits, one program
+assert not hits, hits
+again = jax.jit(lambda v: jnp.tanh(v @ v.T).sum(0))(x)
+assert len(hits) == 1 and (first == again).all(), (hits, first, again)
+assert any(pathlib.Path({str(tmp_path / "cache")!r}).iterdir())
+print("ok")
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
 def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
     """A comparison built on this machine from GPU tables is a GPU table (its file name and fields
     say where the numbers were measured); tables of two devices, or not op tables, are refused."""
