@@ -60,6 +60,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -875,7 +876,12 @@ def share_compiles(folder: pathlib.Path, min_seconds: float = 1.0) -> None:
     profile's three runs compiled the step three times; on a 2-core CPU the small config's profile
     (``--config llama3_small --layers 2 --seq 256 --steps 2 --protect --hlo-dump``) took 50 s with
     the cache against 60 without (2026-12-07, one run each). A cache entry JAX cannot read is
-    compiled again, with a warning. The ``--hlo-dump`` programs are the warm run's, which compiles."""
+    compiled again, with a warning. ``folder`` is emptied first: a program compiled by an earlier
+    run there, perhaps under other settings that the cache's key does not see (the native handlers'
+    traits, which decide what XLA's command buffers take), is never loaded, and the warm run
+    compiles, so that ``--hlo-dump`` has its programs."""
+    shutil.rmtree(folder, ignore_errors=True)
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_seconds))
 
@@ -1013,7 +1019,9 @@ def main() -> None:
     # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
     # so both traced runs would compile it again (the difference cancels that): with the cache they
     # load the warm run's executable instead, the same program, in a fraction of the time.
-    if not args.no_compile_cache:
+    if args.no_compile_cache:
+        jax.config.update("jax_enable_compilation_cache", False)  # not even one the environment names
+    else:
         share_compiles(out / "jax-cache")
     train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
     opts = jax.profiler.ProfileOptions()

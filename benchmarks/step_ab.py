@@ -21,7 +21,10 @@ GEMMs, as the tool then had them do): resolving a change of a few ms takes sever
 processes now share XLA's autotuning results (``--xla_gpu_per_fusion_autotune_cache_dir``, a
 temporary folder; ``--own-autotuning`` for the old behaviour), so the GEMMs and fusions that XLA
 autotunes get the same choices in every process; whether that narrows the spread is not yet
-measured. Results go to ``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
+measured. A variant's later rounds load the program its first round compiled (JAX's compilation
+cache, a folder per variant; ``--no-compile-cache``: each process compiles), so they start sooner;
+the compiling step is left out of the timing either way. Results go to
+``benchmarks/results/<date>-step-ab[-TAG]-<device>.json``.
 
 ``--rev REV`` (instead of ``--env``; repeatable) times code instead of a setting: the working tree's
 ``pimlayers`` package against each revision's (a git revision, or a folder holding a package),
@@ -198,6 +201,12 @@ def main(argv=None) -> None:
         action="store_true",
         help="each process autotunes its own GEMMs (by default all reuse the first process's results)",
     )
+    ap.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="every process compiles its program (by default a variant's later rounds load its "
+        "first round's executable from JAX's compilation cache, one folder per variant)",
+    )
     ap.add_argument("--tag", default="")
     ap.add_argument("--note", default="")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -228,6 +237,7 @@ def main(argv=None) -> None:
             variants = _rev_variants(args.rev, pathlib.Path(tmp), base_env, child_argv)
         else:
             variants = [("base", child, base_env, None), (" ".join(args.env), child, variant_env, None)]
+        variants = own_compile_caches(variants, None if args.no_compile_cache else pathlib.Path(tmp))
         runs, faults = [], []
         for r in range(args.rounds):
             for name, cmd, env, tree in variants:
@@ -261,6 +271,25 @@ def main(argv=None) -> None:
         "wrote",
         write_result("step-ab", rows, command_line("benchmarks.step_ab"), tag=args.tag, note=args.note),
     )
+
+
+def own_compile_caches(variants: list[tuple], folder: pathlib.Path | None) -> list[tuple]:
+    """``variants`` (``(name, command, env, package)``) each with a JAX compilation cache of its own
+    under ``folder``, in place of any the environment names: a variant's later rounds then load the
+    program its first round compiled instead of compiling it again (the compile is the step left
+    out of the timing). One new folder per variant, never shared: a setting may change what XLA
+    compiles without changing the program's text, which is all the cache's key sees (e.g. the
+    native handlers' traits, which decide what XLA's command buffers take). ``folder`` None: no
+    cache at all, every process compiles."""
+    out = []
+    for i, (name, cmd, env, tree) in enumerate(variants):
+        env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        if folder is None:
+            env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        else:
+            env["JAX_COMPILATION_CACHE_DIR"] = str(folder / f"jax-cache-{i}")
+        out.append((name, cmd, env, tree))
+    return out
 
 
 def _without_revs(argv) -> list[str]:

@@ -1336,6 +1336,24 @@ def test_step_ab_variants_share_autotuning_even_when_the_setting_is_xlas_flags()
     assert "XLA_FLAGS" not in base and var["XLA_FLAGS"] == "--xla_b=2" and env["X"] == "old"
 
 
+def test_step_ab_gives_each_variant_a_compile_cache_of_its_own(tmp_path):
+    """A variant's rounds share one JAX compilation cache; two variants never share one (a setting
+    can change the compiled program without changing its text), not even one the caller's
+    environment names; without the cache none is used."""
+    from benchmarks.step_ab import own_compile_caches
+
+    env = {"PATH": "/bin", "JAX_COMPILATION_CACHE_DIR": "/shared"}
+    variants = [("base", ["a"], env, None), ("X=1", ["a"], {**env, "X": "1"}, None)]
+    got = own_compile_caches(variants, tmp_path)
+    dirs = [v[2]["JAX_COMPILATION_CACHE_DIR"] for v in got]
+    assert len(set(dirs)) == 2 and all(d.startswith(str(tmp_path)) for d in dirs)
+    assert [v[2].get("X") for v in got] == [None, "1"] and env["JAX_COMPILATION_CACHE_DIR"] == "/shared"
+    assert [v[:2] for v in got] == [v[:2] for v in variants]
+    off = own_compile_caches(variants, None)
+    assert all("JAX_COMPILATION_CACHE_DIR" not in v[2] for v in off)
+    assert all(v[2]["JAX_ENABLE_COMPILATION_CACHE"] == "false" for v in off)
+
+
 def test_step_ab_refuses_a_setting_that_is_not_name_equals_value():
     from benchmarks import step_ab
 
@@ -1659,8 +1677,9 @@ def test_profile_compare_sets_two_op_tables_side_by_side():
 
 def test_profile_shares_a_compiled_program_between_its_runs(tmp_path):
     """With ``share_compiles``, a program jitted afresh (as each of the profile's runs jits its step)
-    is read back from the cache instead of compiled again, and computes the same; in a fresh
-    process, since the cache is the process's."""
+    is read back from the cache instead of compiled again, and computes the same; what an earlier
+    run left in the folder is not (it may have compiled under other settings). In fresh processes,
+    since the cache is the process's."""
     code = f"""
 import pathlib
 import jax, jax.numpy as jnp
@@ -1678,8 +1697,11 @@ assert any(pathlib.Path({str(tmp_path / "cache")!r}).iterdir())
 print("ok")
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    for _ in range(2):  # the second process finds the first's entry and must not read it
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
 def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
