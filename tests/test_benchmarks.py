@@ -1704,6 +1704,42 @@ print("ok")
         assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
+@pytest.mark.gpu
+def test_profile_compile_cache_reads_back_the_librarys_gpu_kernels(tmp_path):
+    """On a GPU the profile's cache holds programs of every kind of kernel the step launches (the
+    verified flash attention's Mosaic kernels, the Triton bounds and redo kernels, the CUDA
+    handlers, cuBLAS): forward and backward of a protected attention core and GEMM, jitted twice,
+    the second read back from the cache and bit for bit the first's results."""
+    code = f"""
+import pathlib
+import jax, jax.numpy as jnp
+from jax import monitoring
+from benchmarks.profile import share_compiles
+from pimlayers import FaultPolicy, layers, ops
+hits = []
+monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
+share_compiles(pathlib.Path({str(tmp_path / "cache")!r}), min_seconds=0.0)
+ks = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(ks[0], (1, 256, 4, 128), jnp.bfloat16)
+kv = [jax.random.normal(k, (1, 256, 2, 128), jnp.bfloat16) for k in ks[1:3]]
+w = jax.random.normal(ks[3], (512, 512), jnp.bfloat16)
+def loss(q, k, v, w):
+    o, r1 = layers.attention_core(q, k, v, policy=FaultPolicy())
+    y, r2 = ops.protected_matmul(o.reshape(256, 512), w, policy=FaultPolicy())
+    return y.astype(jnp.float32).sum(), (r1 + r2).gemm_checked
+step = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, *kv, w)
+first = step()
+n = len(hits)
+again = step()
+assert len(hits) > n, (n, hits)
+same = jax.tree.map(lambda a, b: bool((a == b).all()), first, again)
+assert all(jax.tree.leaves(same)), same
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
     """A comparison built on this machine from GPU tables is a GPU table (its file name and fields
     say where the numbers were measured); tables of two devices, or not op tables, are refused."""
