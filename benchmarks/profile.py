@@ -69,6 +69,7 @@ import warnings
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 try:  # private: a jax without it leaves the check to the dump's absence after the runs
     from jax._src.xla_bridge import backends_are_initialized
@@ -884,6 +885,9 @@ def share_compiles(folder: pathlib.Path, min_seconds: float = 1.0) -> None:
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_seconds))
+    # JAX settles on its cache (or none) at the process's first compilation: start it again, so the
+    # folder is used whatever compiled before (an import's constants, the native module's probes).
+    compilation_cache.reset_cache()
 
 
 def main() -> None:
@@ -1021,6 +1025,7 @@ def main() -> None:
     # load the warm run's executable instead, the same program, in a fraction of the time.
     if args.no_compile_cache:
         jax.config.update("jax_enable_compilation_cache", False)  # not even one the environment names
+        compilation_cache.reset_cache()
     else:
         share_compiles(out / "jax-cache")
     train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
