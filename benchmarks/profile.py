@@ -1067,16 +1067,7 @@ def main() -> None:
             print(f"  {r['ms']:10.2f} ms  {100 * r['share']:5.1f}%{n}  {r['name'][:100]}{src}")
     if "sources" in s:
         print("\nby category (ms per step):")
-        by = categories(
-            [
-                {"op": r["name"], "ms_per_step": r["ms"], "count_per_step": r["count"]}
-                | {
-                    "cublas_ms_per_step": r.get("cublas_ms", 0.0),
-                    "cublas_count_per_step": r.get("cublas_count", 0.0),
-                }
-                for r in s["sources"]
-            ]
-        )
+        by = categories(result_tables(s, args.protect)["profile-sources"])  # as a saved table
         for name, v in sorted(by.items(), key=lambda kv: -kv[1]["ms_per_step"]):
             print(f"  {v['ms_per_step']:10.2f} ms  {v['count_per_step']:6.0f} kernels  {name}")
     if "idle_ms" in s and not s["idle_measured"]:

@@ -1675,18 +1675,31 @@ def test_profile_compare_sets_two_op_tables_side_by_side():
     assert by["gone"]["added_ms"] == pytest.approx(-0.5) and by["gone"]["protect_n"] == 0.0
 
 
-def test_profile_shares_a_compiled_program_between_its_runs(tmp_path):
-    """With ``share_compiles``, a program jitted afresh (as each of the profile's runs jits its step)
-    is read back from the cache instead of compiled again, and computes the same; what an earlier
-    run left in the folder is not (it may have compiled under other settings). In fresh processes,
-    since the cache is the process's."""
-    code = f"""
+# The compile-cache tests' programs start alike: JAX, the profile's cache and a list of its hits.
+_CACHE_PROBE = """
 import pathlib
 import jax, jax.numpy as jnp
 from jax import monitoring
 from benchmarks.profile import share_compiles
 hits = []
 monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
+"""
+
+
+def _fresh_process(code: str, env: dict) -> None:
+    """Run ``code`` in a fresh Python (a JAX cache is the process's); it must print "ok" last."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_profile_shares_a_compiled_program_between_its_runs(tmp_path):
+    """With ``share_compiles``, a program jitted afresh (as each of the profile's runs jits its step)
+    is read back from the cache instead of compiled again, and computes the same; what an earlier
+    run left in the folder is not (it may have compiled under other settings). In fresh processes,
+    since the cache is the process's."""
+    code = (
+        _CACHE_PROBE
+        + f"""
 x = jnp.arange(12.0).reshape(3, 4)
 jax.jit(lambda v: v + 1)(x)  # a compilation before the cache is set up (perhaps in the suite's own)
 share_compiles(pathlib.Path({str(tmp_path / "cache")!r}), min_seconds=0.0)
@@ -1698,12 +1711,9 @@ assert len(hits) == 1 and (first == again).all(), (hits, first, again)
 assert any(pathlib.Path({str(tmp_path / "cache")!r}).iterdir())
 print("ok")
 """
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     for _ in range(2):  # the second process finds the first's entry and must not read it
-        run = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+        _fresh_process(code, {**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.gpu
@@ -1712,14 +1722,10 @@ def test_profile_compile_cache_reads_back_the_librarys_gpu_kernels(tmp_path):
     verified flash attention's Mosaic kernels, the Triton bounds and redo kernels, the CUDA
     handlers, cuBLAS): forward and backward of a protected attention core and GEMM, jitted twice,
     the second read back from the cache and bit for bit the first's results."""
-    code = f"""
-import pathlib
-import jax, jax.numpy as jnp
-from jax import monitoring
-from benchmarks.profile import share_compiles
+    code = (
+        _CACHE_PROBE
+        + f"""
 from pimlayers import FaultPolicy, layers, ops
-hits = []
-monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("cache_hits") else None)
 share_compiles(pathlib.Path({str(tmp_path / "cache")!r}), min_seconds=0.0)
 ks = jax.random.split(jax.random.key(0), 4)
 q = jax.random.normal(ks[0], (1, 256, 4, 128), jnp.bfloat16)
@@ -1738,8 +1744,8 @@ same = jax.tree.map(lambda a, b: bool((a == b).all()), first, again)
 assert all(jax.tree.leaves(same)), same
 print("ok")
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    )
+    _fresh_process(code, dict(os.environ))
 
 
 def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
