@@ -106,6 +106,7 @@ def _blocks(n: int, block_n: int | None) -> tuple[int, int]:
     return bn, (0 if n == 0 else -(-n // bn))
 
 
+@functools.partial(jax.jit, static_argnames=("block_n", "transposed"))
 def abft_encode_reference(
     w: Float[Array, "*g k n"], block_n: int | None = None, transposed: bool = False
 ) -> WeightChecksums:
@@ -527,6 +528,7 @@ def _check_terms(k: int, lam: float | None) -> tuple[int, int, float]:
     return 3, 1, scale
 
 
+@functools.partial(jax.jit, static_argnames=("transposed", "lam", "weighted", "split"))
 def _checks_reference(
     x,
     enc: WeightChecksums,
@@ -662,6 +664,7 @@ def _bf16_head(v: Float[Array, ...]) -> Float[Array, ...]:
     return lax.bitcast_convert_type(rounded, jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("k", "block_n", "lam", "u", "correct", "weighted"))
 def abft_check_reference(
     y, checks, mag, k: int, block_n: int, lam: float, u: float, correct: bool, width=None, weighted=True
 ):

@@ -12,6 +12,8 @@ on where the bank sits.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,7 @@ def _mulmod16(a, h):
     return _addmod(high, low)
 
 
+@functools.partial(jax.jit, static_argnames=("bank_bytes",))
 def bank_checksums_reference(x, bank_bytes: int = 4096) -> UInt32[Array, "banks 2"]:
     """Pure-JAX twin of the native handler (bit-exact)."""
     b = to_bytes(x)

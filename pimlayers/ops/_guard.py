@@ -9,6 +9,8 @@ everything encode-on-write stores (pimlayers.memory), for one read of the parame
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ Guard = tuple[UInt32[Array, "banks 2"], UInt8[Array, "groups bank"]]
 GuardWithParitySums = tuple[UInt32[Array, "banks 2"], UInt8[Array, "groups bank"], UInt32[Array, "groups 2"]]
 
 
+@functools.partial(jax.jit, static_argnames=("bank_bytes", "group", "parity_sums"))
 def bank_guard_reference(
     x, bank_bytes: int = 4096, group: int = 8, parity_sums: bool = False
 ) -> Guard | GuardWithParitySums:

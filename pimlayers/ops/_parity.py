@@ -8,6 +8,8 @@ memory layer's business: it arranges the bytes so that no two members share one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,7 @@ def _grouped(x, bank_bytes: int, group: int):
     return jnp.pad(b, (0, ng * group * bank_bytes - b.shape[0])).reshape(ng, group, bank_bytes)
 
 
+@functools.partial(jax.jit, static_argnames=("bank_bytes", "group"))
 def parity_reference(x, bank_bytes: int = 4096, group: int = 8) -> UInt8[Array, "groups bank"]:
     return lax.reduce(_grouped(x, bank_bytes, group), np.uint8(0), lax.bitwise_xor, (1,))
 
