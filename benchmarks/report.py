@@ -73,6 +73,14 @@ the GEMM used. At 1 or more the GEMM was flagged, which on clean data is a false
 `sum_over_mag_at_worst` near 1 means that block's products all had one sign. The llama3 rows split
 `uncorrectable` into GEMM blocks and memory banks and count `steps_skipped`.
 
+Reading the check-gemms table (`python -m benchmarks.check_gemms`): arithmetic, not a measurement
+(its device is the CPU that traced it). One decoder layer's ABFT check GEMMs as a one-device Hopper
+GPU step forms them (traced abstractly), forward then backward, named by the weights whose shapes
+they fit; `columns` are c's and mag's bf16 terms over the blocks, `checks_kernel` whether the opt-in
+one-read kernel takes the check; the floors are max(reads of x / bandwidth, multiplies / rate) with
+x read twice (`two_read_us`, XLA's c and mag GEMMs) or once (`one_read_us`), at the rates the note
+names. The step's measured check GEMMs are the profile's `check GEMMs` category.
+
 Reading the memory table: the parameters are four Llama-3-8B decoder layers' weights in bf16 (1.75 GB)
 in a `PimStore` with the H200 geometry (4 KiB stripes, parity groups of 8). `vs_copy`, `vs_read` and
 `vs_datasheet` relate the scrub's bandwidth to the device copy (read + write) and to a read-only XLA

@@ -983,6 +983,43 @@ def test_profile_idle_time_is_the_span_less_the_union_of_the_device_events(tmp_p
     assert dict(calls) == {"host work": 1, "cuGraphLaunch": 2}
 
 
+def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_path, capsys):
+    """One 8B-dims layer traced abstractly: the check GEMMs a GPU step forms, named by the weights
+    they check (shared checks for q/k/v and gate+up; flash attention has none), each's columns as
+    ``_check_terms`` gives them, the kernel's rule applied, and floors that follow their formula."""
+    from benchmarks import _harness, check_gemms
+    from pimlayers.ops import _abft, _checks_kernel
+
+    rows, cfg = check_gemms.layer_checks("llama3_8b", 8192)
+    assert [r["check"] for r in rows] == [
+        "q/k/v forward", "o forward", "gate+up forward", "down forward",
+        "down dx", "down dw", "gate or up dx", "gate or up dx", "gate+up dw",
+        "o dx", "o dw", "q/k/v dx", "q/k/v dw",
+    ]  # fmt: skip
+    for r in rows:
+        c_terms, mag_terms, _ = _abft._check_terms(r["k"], 64.0 if r["transposed"] else 8.0)  # lam_dw = 64
+        assert (r["c_terms"], r["mag_terms"]) == (c_terms, mag_terms)
+        assert r["columns"] == r["blocks"] * (2 * c_terms + mag_terms)
+        assert r["padded_columns"] >= r["columns"] and r["padded_columns"] % 16 == 0
+        assert r["checks_kernel"] == (r["padded_columns"] <= _checks_kernel.PROTECTED_COLUMNS)  # one device
+    assert rows[2]["blocks"] == 2 * cfg.ffn_dim // 128 and rows[0]["blocks"] == (
+        cfg.n_heads + 2 * cfg.n_kv_heads
+    )
+    floors = check_gemms.with_floors(rows, 2.0, 500.0)
+    for r in floors:
+        assert r["read_us"] == pytest.approx(r["rows"] * r["k"] * 2 / 2e12 * 1e6)
+        assert r["multiply_us"] == pytest.approx(2 * r["rows"] * r["k"] * r["columns"] / 500e12 * 1e6)
+        assert r["one_read_us"] == max(r["read_us"], r["multiply_us"]) <= r["two_read_us"]
+        assert r["two_read_us"] == max(2 * r["read_us"], r["multiply_us"])
+    tiny = [r["check"] for r in check_gemms.layer_checks("llama3_tiny", 128)[0]]
+    assert "attention forward" in tiny and not any(c.startswith("?") for c in tiny)  # D = 16: no flash kernel
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    check_gemms.main(["--config", "llama3_tiny", "--tokens", "128", "--save", "t"])
+    assert "a layer: 19 check GEMMs" in capsys.readouterr().out
+    (saved,) = tmp_path.glob("*-check-gemms-t-*.json")
+    assert len(json.loads(saved.read_text())["rows"]) == 19
+
+
 def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
     import jax
     import jax.numpy as jnp
