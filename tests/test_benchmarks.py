@@ -988,6 +988,7 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
     they check (shared checks for q/k/v and gate+up; flash attention has none), each's columns as
     ``_check_terms`` gives them, the kernel's rule applied, and floors that follow their formula."""
     from benchmarks import _harness, check_gemms
+    from pimlayers import FaultPolicy
     from pimlayers.ops import _abft, _checks_kernel
 
     rows, cfg = check_gemms.layer_checks("llama3_8b", 8192)
@@ -997,7 +998,8 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
         "o dx", "o dw", "q/k/v dx", "q/k/v dw",
     ]  # fmt: skip
     for r in rows:
-        c_terms, mag_terms, _ = _abft._check_terms(r["k"], 64.0 if r["transposed"] else 8.0)  # lam_dw = 64
+        lam = FaultPolicy().lam_dw if r["transposed"] else FaultPolicy().lam  # the weight gradients' own
+        c_terms, mag_terms, _ = _abft._check_terms(r["k"], lam)
         assert (r["c_terms"], r["mag_terms"]) == (c_terms, mag_terms)
         assert r["columns"] == r["blocks"] * (2 * c_terms + mag_terms)
         assert r["padded_columns"] >= r["columns"] and r["padded_columns"] % 16 == 0
