@@ -2,7 +2,8 @@
 
 python -m benchmarks.check_gemms                          # Llama-3-8B dims, T = 8192, an H100's rates
 python -m benchmarks.check_gemms --bandwidth 4.8          # an H200's HBM
-python -m benchmarks.check_gemms --config llama3_tiny --tokens 64 --save tiny
+python -m benchmarks.check_gemms --plain-checks --block-n 256    # what fewer columns would leave
+python -m benchmarks.check_gemms --config llama3_tiny --tokens 128 --save tiny
 
 Nothing runs on a device: one decoder layer's forward and backward are traced abstractly
 (``jax.eval_shape``, any machine) with the process's platform checks answering as on an NVIDIA GPU,
@@ -130,16 +131,21 @@ def _as_on_a_gpu(log: list[dict]):
         yield
 
 
-def layer_checks(config: str = "llama3_8b", tokens: int = 8192) -> tuple[list[dict], object]:
-    """One decoder layer's check GEMMs, forward then backward (the layers' default policy with
-    128-column blocks, as the training script's), each a dict of its shape, columns and label."""
+def layer_checks(
+    config: str = "llama3_8b", tokens: int = 8192, block_n: int = 128, plain: bool = False
+) -> tuple[list[dict], object]:
+    """One decoder layer's check GEMMs, forward then backward, each a dict of its shape, columns and
+    label: the layers' default policy with ``block_n``-column blocks (the training script's 128);
+    ``plain``: ``FaultPolicy(weighted_checks=False, locate=False)``, c1 without the position-weighted
+    c2. Any ``block_n`` is traced (the CUDA finish's tile kernel and the pair encode are written for
+    128: other widths take slower paths)."""
     from flax import nnx
 
     from models.llama3 import DecoderBlock, get_config
     from pimlayers import FaultPolicy
 
     cfg = get_config(config)
-    policy = FaultPolicy(block_n=128)
+    policy = FaultPolicy(block_n=block_n, locate=not plain, weighted_checks=not plain)
     make = lambda: DecoderBlock(
         cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, policy=policy, rngs=nnx.Rngs(0)
     )
@@ -208,6 +214,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama3_8b")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (batch x sequence)")
+    ap.add_argument(
+        "--block-n", type=int, default=128, help="FaultPolicy.block_n (the training script's 128)"
+    )
+    ap.add_argument(
+        "--plain-checks",
+        action="store_true",
+        help="FaultPolicy(weighted_checks=False, locate=False): c1 alone, no position-weighted c2",
+    )
     ap.add_argument("--layers", type=int, default=4, help="layers a step, for the totals")
     ap.add_argument("--bandwidth", type=float, default=H100_BANDWIDTH_TBS, help="HBM TB/s")
     ap.add_argument(
@@ -220,10 +234,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.layers < 1 or args.bandwidth <= 0 or args.gemm_tflops <= 0:
         raise SystemExit("benchmarks.check_gemms: --tokens and --layers must be >= 1, the rates > 0")
-    rows, _ = layer_checks(args.config, args.tokens)
+    rows, _ = layer_checks(args.config, args.tokens, args.block_n, args.plain_checks)
     rows = with_floors(rows, args.bandwidth, args.gemm_tflops)
     print(
-        f"{args.config}: one decoder layer at {args.tokens} tokens, as a GPU traces it; floors at "
+        f"{args.config}: one decoder layer at {args.tokens} tokens, {args.block_n}-column blocks"
+        f"{', plain checks' if args.plain_checks else ''}, as a GPU traces it; floors at "
         f"{args.bandwidth} TB/s and {args.gemm_tflops} TFLOP/s (arithmetic, not measured)"
     )
     head = ("check", "x", "cols", "padded", "kernel", "GFLOP", "2 reads µs", "1 read µs")

@@ -1007,6 +1007,12 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
     assert rows[2]["blocks"] == 2 * cfg.ffn_dim // 128 and rows[0]["blocks"] == (
         cfg.n_heads + 2 * cfg.n_kv_heads
     )
+    plain, _ = check_gemms.layer_checks("llama3_8b", 8192, plain=True)  # c1 alone: fewer columns, same checks
+    assert [r["check"] for r in plain] == [r["check"] for r in rows]
+    assert all(
+        p["columns"] == p["blocks"] * (p["c_terms"] + p["mag_terms"]) < r["columns"]
+        for p, r in zip(plain, rows, strict=True)
+    )
     floors = check_gemms.with_floors(rows, 2.0, 500.0)
     for r in floors:
         assert r["read_us"] == pytest.approx(r["rows"] * r["k"] * 2 / 2e12 * 1e6)
