@@ -19,31 +19,33 @@ the first is subtracted from the second and divided by ``--steps``: what a step 
 run's one-off work (parameter initialisation, the first encode, the final repair and evaluation)
 cancelled; a first, untraced run warms the process, and the two traced runs load its compiled step
 from JAX's compilation cache (a folder under ``--out``; ``--no-compile-cache``: each compiles it, as
-before 2026-12-07). Prints two tables (top kernels; top scopes, e.g. ``pimlayers.protected_matmul``)
-in ms per step with each entry's share, then the time per step the device sat idle between its first
-and last kernel, with the largest gaps named by the kernels on either side (where the device waits
-for the host: a branch's predicate, a launch; gaps of 50 ms or more are host phases, apart), then
-the host's events per step (the runtime's spans, the CUDA calls: where the host's time goes when the
-device waits on it), and writes them as JSON next to the traces (``--out``). ``--hlo-dump`` has XLA
-dump the optimised programs and names, for each kernel, the op it came from (a fusion's kernel is
-named after its HLO instruction, whose metadata holds the JAX scope: inside XLA's command buffers
-the trace's own scopes name only the buffer), with a table of all kernels grouped by op (ms and
-kernels launched per step). cuBLAS's kernels have no instruction of their name: the table puts them
-under the op whose instruction launched them where the trace names it, which XLA's command buffers
-hide (``--no-command-buffers`` runs without them, so every GEMM, the check GEMMs that run on cuBLAS
-too, is attributed; the step then runs as it does not by default). Each op's row keeps its cuBLAS
-kernels' share (``cublas_ms_per_step``), which the categories count as GEMMs whatever the op is
-called (an unprotected step's weight gradients run under ``.../transpose``). ``--compare`` runs
-nothing: it sets two such tables (``profile-sources`` files of the protected and the unprotected
-step) side by side per op (``profile-compare``) and per category (``profile-categories``: attention,
-GEMMs, check GEMMs, the checks' verify, encodes and XLA ops, the parameter memory's kernels, the
-rest; ``CATEGORIES``), what protection adds in each; given two kernel tables instead
-(``profile-protect`` / ``profile-off`` files, which a run saves with or without ``--hlo-dump``), it
-sets them side by side per kernel (``profile-compare-kernels``). ``--save TAG`` also writes the
-kernel table (``profile-protect`` or ``profile-off``) and the op table (``profile-sources``) to
-``benchmarks/results/`` for docs/benchmarks.md. On a CPU there is no device timeline, so the host's
-XLA op events are summed instead (the runtime, compiler and Python frames left out): good enough to
-see the ops, not a GPU measurement.
+before 2026-12-07). On an H100 (2026-12-07) a protected program of the library's GPU kernels was not
+read back (``tests/test_benchmarks.py``'s GPU test, xfail; cause not found): there each run compiles
+the step, as without the cache. Prints two tables (top kernels; top scopes, e.g.
+``pimlayers.protected_matmul``) in ms per step with each entry's share, then the time per step the
+device sat idle between its first and last kernel, with the largest gaps named by the kernels on
+either side (where the device waits for the host: a branch's predicate, a launch; gaps of 50 ms or
+more are host phases, apart), then the host's events per step (the runtime's spans, the CUDA calls:
+where the host's time goes when the device waits on it), and writes them as JSON next to the traces
+(``--out``). ``--hlo-dump`` has XLA dump the optimised programs and names, for each kernel, the op
+it came from (a fusion's kernel is named after its HLO instruction, whose metadata holds the JAX
+scope: inside XLA's command buffers the trace's own scopes name only the buffer), with a table of
+all kernels grouped by op (ms and kernels launched per step). cuBLAS's kernels have no instruction
+of their name: the table puts them under the op whose instruction launched them where the trace
+names it, which XLA's command buffers hide (``--no-command-buffers`` runs without them, so every
+GEMM, the check GEMMs that run on cuBLAS too, is attributed; the step then runs as it does not by
+default). Each op's row keeps its cuBLAS kernels' share (``cublas_ms_per_step``), which the
+categories count as GEMMs whatever the op is called (an unprotected step's weight gradients run
+under ``.../transpose``). ``--compare`` runs nothing: it sets two such tables (``profile-sources``
+files of the protected and the unprotected step) side by side per op (``profile-compare``) and per
+category (``profile-categories``: attention, GEMMs, check GEMMs, the checks' verify, encodes and XLA
+ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection adds in each; given
+two kernel tables instead (``profile-protect`` / ``profile-off`` files, which a run saves with or
+without ``--hlo-dump``), it sets them side by side per kernel (``profile-compare-kernels``).
+``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op
+table (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU there is no
+device timeline, so the host's XLA op events are summed instead (the runtime, compiler and Python
+frames left out): good enough to see the ops, not a GPU measurement.
 """
 
 from __future__ import annotations
