@@ -254,10 +254,13 @@ def main(argv=None) -> None:
     taken = sum(r["checks_kernel"] for r in rows)
     two, one = sum(r["two_read_us"] for r in rows), sum(r["one_read_us"] for r in rows)
     gf = sum(r["gflop"] for r in rows)
+    gap = sum(r["two_read_us"] - r["one_read_us"] for r in rows if r["checks_kernel"])
     print(
         f"a layer: {len(rows)} check GEMMs ({taken} the checks kernel takes), {gf:.0f} GFLOP; floors "
         f"{two / 1e3:.2f} ms (two reads) and {one / 1e3:.2f} ms (one read); {args.layers} layers: "
-        f"{args.layers * two / 1e3:.2f} and {args.layers * one / 1e3:.2f} ms"
+        f"{args.layers * two / 1e3:.2f} and {args.layers * one / 1e3:.2f} ms\n"
+        f"between the two floors at the checks the kernel takes: {gap / 1e3:.2f} ms a layer, "
+        f"{args.layers * gap / 1e3:.2f} ms for {args.layers}"
     )
     if args.save:
         n = args.layers

@@ -872,7 +872,7 @@ def measured_on(tables: list[dict], paths: list[str]) -> dict[str, str]:
     return {k: str(tables[0][k]) for k in ("device", "jax", "python") if k in tables[0]}
 
 
-def share_compiles(folder: pathlib.Path, min_seconds: float = 1.0) -> None:
+def share_compiles(folder: pathlib.Path | None, min_seconds: float = 1.0) -> None:
     """JAX's persistent compilation cache in ``folder`` for this process's later compilations of at
     least ``min_seconds``: a program compiled again, as each ``train()`` call jits its step afresh,
     is then read back instead (its executable, so the same kernels and autotuning choices). The
@@ -882,11 +882,15 @@ def share_compiles(folder: pathlib.Path, min_seconds: float = 1.0) -> None:
     compiled again, with a warning. ``folder`` is emptied first: a program compiled by an earlier
     run there, perhaps under other settings that the cache's key does not see (the native handlers'
     traits, which decide what XLA's command buffers take), is never loaded, and the warm run
-    compiles, so that ``--hlo-dump`` has its programs."""
-    shutil.rmtree(folder, ignore_errors=True)
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_seconds))
+    compiles, so that ``--hlo-dump`` has its programs. ``folder`` None: no persistent cache at all,
+    not even one the environment names (``--no-compile-cache``)."""
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", str(folder))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_seconds))
     # JAX settles on its cache (or none) at the process's first compilation: start it again, so the
     # folder is used whatever compiled before (an import's constants, the native module's probes).
     compilation_cache.reset_cache()
@@ -1025,11 +1029,7 @@ def main() -> None:
     # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
     # so both traced runs would compile it again (the difference cancels that): with the cache they
     # load the warm run's executable instead, the same program, in a fraction of the time.
-    if args.no_compile_cache:
-        jax.config.update("jax_enable_compilation_cache", False)  # not even one the environment names
-        compilation_cache.reset_cache()
-    else:
-        share_compiles(out / "jax-cache")
+    share_compiles(None if args.no_compile_cache else out / "jax-cache")
     train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)

@@ -1023,7 +1023,8 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
     assert "attention forward" in tiny and not any(c.startswith("?") for c in tiny)  # D = 16: no flash kernel
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
     check_gemms.main(["--config", "llama3_tiny", "--tokens", "128", "--save", "t"])
-    assert "a layer: 19 check GEMMs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a layer: 19 check GEMMs" in out and "between the two floors at the checks the kernel takes" in out
     (saved,) = tmp_path.glob("*-check-gemms-t-*.json")
     assert len(json.loads(saved.read_text())["rows"]) == 19
 
@@ -1759,6 +1760,21 @@ print("ok")
     )
     for _ in range(2):  # the second process finds the first's entry and must not read it
         _fresh_process(code, {**os.environ, "JAX_PLATFORMS": "cpu"})
+    # share_compiles(None) (--no-compile-cache): no cache, not even the one the environment names.
+    off = (
+        _CACHE_PROBE
+        + """
+share_compiles(None, min_seconds=0.0)
+x = jnp.arange(12.0).reshape(3, 4)
+jax.jit(lambda v: jnp.tanh(v @ v.T).sum(0))(x)
+jax.jit(lambda v: jnp.tanh(v @ v.T).sum(0))(x)
+assert not hits, hits
+print("ok")
+"""
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env-cache")}
+    _fresh_process(off, {**env, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+    assert not (tmp_path / "env-cache").exists() or not any((tmp_path / "env-cache").iterdir())
 
 
 @pytest.mark.gpu
