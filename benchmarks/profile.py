@@ -19,9 +19,11 @@ the first is subtracted from the second and divided by ``--steps``: what a step 
 run's one-off work (parameter initialisation, the first encode, the final repair and evaluation)
 cancelled; a first, untraced run warms the process, and the two traced runs load its compiled step
 from JAX's compilation cache (a folder under ``--out``; ``--no-compile-cache``: each compiles it, as
-before 2026-12-07). On an H100 (2026-12-07) a protected program of the library's GPU kernels was not
-read back (``tests/test_benchmarks.py``'s GPU test, xfail; cause not found): there each run compiles
-the step, as without the cache. Prints two tables (top kernels; top scopes, e.g.
+before 2026-12-07). On a GPU each run compiles the step, as without the cache: jaxlib's Mosaic GPU
+lowering names each module it serialises (the flash kernels') with a process-wide counter, which is
+part of the cache's key, so a program lowered again in the same process is not found (H100,
+2026-12-07; a new process counts from zero and reads it back: ``tests/test_benchmarks.py``'s GPU
+cache tests). Prints two tables (top kernels; top scopes, e.g.
 ``pimlayers.protected_matmul``) in ms per step with each entry's share, then the time per step the
 device sat idle between its first and last kernel, with the largest gaps named by the kernels on
 either side (where the device waits for the host: a branch's predicate, a launch; gaps of 50 ms or

@@ -280,8 +280,10 @@ def own_compile_caches(variants: list[tuple], folder: pathlib.Path | None) -> li
     out of the timing). One new folder per variant, never shared: a setting may change what XLA
     compiles without changing the program's text, which is all the cache's key sees (e.g. the
     native handlers' traits, which decide what XLA's command buffers take). ``folder`` None: no
-    cache at all, every process compiles. On a GPU the library's programs were not read back on an
-    H100 (2026-12-07, ``benchmarks.profile``'s cache test): there every process compiles anyway."""
+    cache at all, every process compiles. A GPU's rounds read the step back too: jaxlib's Mosaic GPU
+    lowering names the flash kernels' modules with a process-wide counter, which is in the cache's
+    key, but each round is a new process lowering the same program in the same order (H100,
+    2026-12-07: ``tests/test_benchmarks.py``'s GPU cache tests)."""
     out = []
     for i, (name, cmd, env, tree) in enumerate(variants):
         env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}

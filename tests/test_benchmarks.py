@@ -1777,22 +1777,8 @@ print("ok")
     assert not (tmp_path / "env-cache").exists() or not any((tmp_path / "env-cache").iterdir())
 
 
-@pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="on an H100 (2026-12-07, jax 0.11.2) the second jit was compiled again, no cache hit "
-    "(the assertion len(hits) > n saw (0, [])); cause not found",
-)
-def test_profile_compile_cache_reads_back_the_librarys_gpu_kernels(tmp_path):
-    """On a GPU the profile's cache holds programs of every kind of kernel the step launches (the
-    verified flash attention's Mosaic kernels, the Triton bounds and redo kernels, the CUDA
-    handlers, cuBLAS): forward and backward of a protected attention core and GEMM, jitted twice,
-    the second read back from the cache and bit for bit the first's results."""
-    code = (
-        _CACHE_PROBE
-        + f"""
+_GPU_STEP = """
 from pimlayers import FaultPolicy, layers, ops
-share_compiles(pathlib.Path({str(tmp_path / "cache")!r}), min_seconds=0.0)
 ks = jax.random.split(jax.random.key(0), 4)
 q = jax.random.normal(ks[0], (1, 256, 4, 128), jnp.bfloat16)
 kv = [jax.random.normal(k, (1, 256, 2, 128), jnp.bfloat16) for k in ks[1:3]]
@@ -1802,6 +1788,62 @@ def loss(q, k, v, w):
     y, r2 = ops.protected_matmul(o.reshape(256, 512), w, policy=FaultPolicy())
     return y.astype(jnp.float32).sum(), (r1 + r2).gemm_checked
 step = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, *kv, w)
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_compile_cache_reads_the_librarys_kernels_back_in_a_new_process(tmp_path):
+    """On a GPU a program of every kind of kernel the step launches (the verified flash attention's
+    Mosaic kernels, the Triton bounds and redo kernels, the CUDA handlers, cuBLAS), forward and
+    backward of a protected attention core and GEMM, compiled by one process into a cache folder,
+    is read back by the next process that lowers it (a restarted run), and computes bit for bit
+    what the first computed."""
+    import numpy as np
+
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    code = (
+        _CACHE_PROBE
+        + _GPU_STEP
+        + f"""
+import numpy as np
+saved = pathlib.Path({str(tmp_path / "first.npz")!r})
+n = len(hits)
+leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(step())]
+if saved.exists():
+    assert len(hits) > n, ("the step was compiled again", n, hits)
+    first = np.load(saved)
+    assert all((first[f"a{{i}}"] == x).all() for i, x in enumerate(leaves))
+else:
+    np.savez(saved, **{{f"a{{i}}": x for i, x in enumerate(leaves)}})
+print("ok")
+"""
+    )
+    for _ in range(2):
+        _fresh_process(code, env)
+    assert np.load(tmp_path / "first.npz").files  # the first process wrote its results
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxlib's Mosaic GPU lowering names every module it serialises with a process-wide "
+    "counter (the attribute mosaic_gpu.dump_basename, entry_N), which is part of the custom call's "
+    "bytes and so of the cache key: a program lowered again in the same process has a new key "
+    "(H100, jax 0.11.2, 2026-12-07); a new process counts from zero and reads it back (above)",
+)
+def test_gpu_compile_cache_reads_the_librarys_kernels_back_in_the_same_process(tmp_path):
+    """The profile's case: its runs call ``train()`` in one process, each jitting its step afresh.
+    A program with the verified flash attention's Mosaic kernels, jitted twice in one process with
+    the profile's cache, would be read back the second time and compute the same."""
+    code = (
+        _CACHE_PROBE
+        + f"share_compiles(pathlib.Path({str(tmp_path / 'cache')!r}), min_seconds=0.0)\n"
+        + _GPU_STEP
+        + """
 first = step()
 n = len(hits)
 again = step()
