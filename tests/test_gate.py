@@ -101,3 +101,24 @@ def test_bad_input_errors():
         ops.gate(jnp.ones(3), limit=-1.0)
     with pytest.raises(ValueError, match=r"impl='fast'"):
         ops.gate(jnp.ones(3), impl="fast")
+
+
+def test_gate_with_keep_is_the_gate_forward_and_its_mask_backward():
+    """``gate_with_keep``: values and counts are ``gate``'s bit for bit; the gradient passes exactly
+    where ``keep`` says (here a mask broadcast along the rows, unlike the values'); bad masks are
+    refused by name."""
+    x = _poisoned(np.random.default_rng(1), (5, 12), jnp.float32)
+    keep = jnp.asarray(np.random.default_rng(2).random(12) < 0.5)
+    y, c = ops.gate_with_keep(x, keep, fill=-1.5)
+    y_r, c_r = ops.gate(x, fill=-1.5)
+    assert np.asarray(y).tobytes() == np.asarray(y_r).tobytes() and np.array_equal(c, c_r)
+    g = jax.grad(lambda a: jnp.sum(ops.gate_with_keep(a, keep)[0] * 3.0))(x)
+    assert np.array_equal(
+        np.asarray(g), np.where(np.asarray(keep)[None], 3.0, 0.0).repeat(5, 0).reshape(5, 12)
+    )
+    with pytest.raises(TypeError, match="keep has dtype float32; expected bool"):
+        ops.gate_with_keep(x, keep.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"keep has shape \(5, 12, 2\)"):
+        ops.gate_with_keep(x, jnp.ones((5, 12, 2), bool))
+    with pytest.raises(ValueError, match=r"keep has shape \(7,\)"):
+        ops.gate_with_keep(x, jnp.ones((7,), bool))

@@ -235,6 +235,80 @@ def test_rms_norm_bit_identical_when_off_and_gated_when_on(dtype):
     assert pnnx.fault_report(on).to_dict()["nonfinite_gated"] == 1
 
 
+# The gate with a limit no finite output of these cases reaches: its own mask, from the output.
+GENERAL = pl.FaultPolicy(gate_limit=3e38)
+
+
+def _norm_case(style, dtype, seed=3):
+    """Rows that exercise the gate: plain, an Inf, a NaN, squares past f32's range (f32 only), zeros."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(6, 40)).astype(np.float32) * 3
+    x[1, 3] = np.inf
+    x[2, 7] = np.nan
+    x[3] = 1e20 if dtype == jnp.float32 else x[3]  # Σx² overflows f32: the row scales by 0
+    x[4] = 0.0
+    x[5, 9] = -np.inf
+    scale = jnp.asarray(1 + 0.2 * rng.normal(size=40), dtype)
+    bias = jnp.asarray(0.1 * rng.normal(size=40), dtype) if style == "equinox" else None  # gate's own mask
+    return jnp.asarray(x, dtype), scale, bias
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("style", ["flax", "equinox", "llama"])
+def test_rms_norm_gate_gradient_mask_from_the_input_matches_the_outputs(style, dtype):
+    """The gated norm's gradient mask comes from x, the scale and the bias (``layers.norm._kept``:
+    no second pass over x in a rematerialised backward), not from its output; on rows with an Inf,
+    a NaN, squares past f32's range and zeros, values, counts and the gradients of x, the scale and
+    the bias are bit for bit those of the gate's own mask (a limit past every finite output: the
+    general path)."""
+    x, scale, bias = _norm_case(style, dtype)
+    cot = jnp.asarray(np.random.default_rng(4).normal(size=x.shape), dtype)
+
+    def run(policy):
+        def f(x, scale, bias):
+            norm = lambda r: L.rms_norm(r, scale, bias, eps=1e-5, style=style, policy=policy)
+            y, rep = jax.vmap(norm)(x) if style == "equinox" else norm(x)  # equinox's: one vector
+            gated = jnp.sum(rep.nonfinite_gated)
+            return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32)), (y, gated)
+
+        return jax.jit(
+            jax.value_and_grad(f, argnums=(0, 1, 2) if bias is not None else (0, 1), has_aux=True)
+        )(x, scale, bias)
+
+    (_, (y_fast, n_fast)), g_fast = run(pl.FaultPolicy())
+    (_, (y_gen, n_gen)), g_gen = run(GENERAL)
+    assert int(n_fast) == int(n_gen) > 0
+    assert np.asarray(y_fast).tobytes() == np.asarray(y_gen).tobytes()
+    assert np.isfinite(np.asarray(y_fast, np.float32)).all()
+    for a, b in zip(g_fast, g_gen, strict=True):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), equal_nan=True)
+    # The input gradient is finite on the rows without an Inf or NaN (their gradient is NaN either
+    # way: the norm's backward multiplies by the row's statistic).
+    finite_rows = [bool(np.isfinite(r).all()) for r in np.asarray(g_fast[0], np.float32)]
+    assert finite_rows == [True, False, False, True, True, False]
+
+
+def test_rms_norm_gate_mask_blocks_a_scale_column_past_its_range():
+    """A scale entry so large that |s|·sqrt(E) passes half of f32's range (a corrupted parameter)
+    passes no gradient in its column, even on rows whose value stayed finite; the other columns and
+    the forward are the general path's."""
+    x, scale, _ = _norm_case("llama", jnp.float32)
+    x = x[jnp.asarray([0, 4])]  # finite rows
+    scale = scale.at[5].set(1e38)
+
+    def grads(policy):
+        norm = lambda s: L.rms_norm(x, s, eps=1e-5, style="llama", policy=policy)[0]
+        return jax.grad(lambda s: jnp.sum(norm(s)))(scale), norm(scale)
+
+    ds, y = grads(pl.FaultPolicy())
+    ds_g, y_g = grads(GENERAL)
+    assert np.asarray(y).tobytes() == np.asarray(y_g).tobytes()
+    assert np.isfinite(np.asarray(y)[:, 5]).all()  # kept by the gate: no value overflowed
+    assert float(ds[5]) == 0.0 and np.isfinite(np.asarray(ds_g[5]))
+    others = np.arange(40) != 5
+    np.testing.assert_allclose(np.asarray(ds)[others], np.asarray(ds_g)[others], rtol=0, atol=0)
+
+
 def test_llama_mlp_matches_swiglu_reference():
     m = pnnx.LlamaMLP(16, 40, rngs=nnx.Rngs(0))
     x = _x((2, 5, 16))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
 from ..faults import FaultPolicy, FaultReport
-from ..ops import gate
+from ..ops import gate, gate_with_keep
 from ._common import check_features, policy_or_default, promote
 
 __all__ = ["rms_norm"]
@@ -46,13 +48,16 @@ def rms_norm(
     if scale is not None:
         check_features(name, x, scale.shape[-1])
     with jax.named_scope(name):
+        x_in, s_used = x, scale  # x and the scale as the products use them
         if style == "flax":
             x, scale = promote(x, scale, dtype=dtype)
+            x_in = x
             out_dtype = x.dtype
             xf = jnp.asarray(x, _stats_dtype(x.dtype))
             var = jnp.mean(lax.square(xf), axis=-1, keepdims=True)
             mul = lax.rsqrt(var + eps)
             if scale is not None:
+                s_used = scale.astype(mul.dtype)
                 mul = mul * jnp.reshape(scale, (1,) * (x.ndim - 1) + (-1,)).astype(mul.dtype)
             y = (xf * mul).astype(out_dtype)
         else:
@@ -61,7 +66,8 @@ def rms_norm(
             if style == "equinox":
                 y = lax.rsqrt(jnp.mean(xf**2, axis=-1, keepdims=True) + eps) * xf
                 if scale is not None:
-                    y = scale.astype(xf.dtype) * y
+                    s_used = scale.astype(xf.dtype)
+                    y = s_used * y
                 if bias is not None:
                     y = y + bias.astype(xf.dtype)
                 y = y.astype(out_dtype)
@@ -69,12 +75,55 @@ def rms_norm(
                 var = jnp.mean(xf**2, axis=-1, keepdims=True)
                 y = (xf * lax.rsqrt(var + eps)).astype(out_dtype)
                 if scale is not None:
+                    s_used = scale.astype(out_dtype)
                     y = jnp.reshape(scale, (1,) * (x.ndim - 1) + (-1,)).astype(out_dtype) * y
         report = FaultReport.zeros()
-        if policy.gate:
+        if policy.gate and policy.gate_limit is None and out_dtype in _WIDE and eps > 0 and bias is None:
+            keep = _kept(x_in, s_used, eps, style)
+            y, counts = gate_with_keep(y, keep, fill=policy.gate_fill)
+            report = FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
+        elif policy.gate:
             y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
             report = FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
         return y, report
+
+
+# Output dtypes whose range is f32's (or f64's): there a finite row's values cannot overflow unless
+# the scale is ~1e32 or more (below).
+_WIDE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
+def _kept(x, scale, eps: float, style: str) -> jax.Array:
+    """Where the gate keeps the norm's output (it is finite), from x and the scale alone, not
+    the output: what the gate's gradient passes (``ops.gate_with_keep``). Computed from the output
+    itself, a backward pass that rematerialises the norm needs the rows' statistics first, a second
+    pass over x, where this mask is a sibling of their reduction.
+
+    A row of finite x has |x_j|·rsqrt(mean(x²) + eps) <= sqrt(E) (its mean square is at least
+    x_j²/E; f32's rounding of the sum is far inside the 1/64 margin), so its outputs are finite where
+    the scale is finite and small enough that |s|·sqrt(E) stays below half the output's largest
+    value; flax's order forms rsqrt(·)·s first, at most rsqrt(eps)·|s|, which must
+    stay below half the statistics' dtype's. A column past those limits (a scale of ~1e32 and more:
+    a corrupted parameter) passes no gradient. A row whose mean square is Inf (an Inf in x, or
+    squares past f32's range) scales by rsqrt(Inf) = 0: its finite values become 0·s, kept where
+    the column is, and its Infs NaN, which isfinite(x) drops. A row with a NaN is NaN throughout,
+    so the gate keeps none of it, where this mask passes its finite columns: its input gradient and
+    the scale's are NaN either way (the norm's backward multiplies by the row's NaN statistic, and
+    the scale's gradient by its NaN outputs), so they agree with the gate's own mask bit for bit
+    (``tests/test_layers.py``). A bias's gradient would not (it sums the cotangents alone): a norm
+    with a bias (equinox's ``use_bias``) keeps the gate's own mask."""
+    e, out_dtype = x.shape[-1], jnp.dtype(x.dtype)  # every style's output has x's dtype (flax's promoted)
+    wide = jnp.float64 if jnp.float64 in (out_dtype, getattr(scale, "dtype", None)) else jnp.float32
+    ok = jnp.ones((e,), jnp.bool_)
+    room = jnp.full((e,), math.sqrt(e) * (1.0 + 2.0**-6), wide)  # |s|·sqrt(E)(1 + 2^-6)
+    if scale is not None:
+        s = jnp.abs(scale.astype(wide)).reshape(e)
+        ok = ok & jnp.isfinite(s)
+        room = room * s
+        if style == "flax":
+            ok = ok & (s <= float(jnp.finfo(scale.dtype).max) / 2.0 * math.sqrt(eps))
+    ok = ok & (room <= float(jnp.finfo(out_dtype).max) / 2.0)
+    return jnp.isfinite(x) & ok.reshape((1,) * (x.ndim - 1) + (e,))
 
 
 def _stats_dtype(dtype):

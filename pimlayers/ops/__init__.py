@@ -44,6 +44,7 @@ from ._flash_bwd import flash_bwd_supported as flash_bwd_supported
 from ._flash_bwd import redo_flags_bwd as redo_flags_bwd
 from ._gate import gate as gate
 from ._gate import gate_reference as gate_reference
+from ._gate import gate_with_keep as gate_with_keep
 from ._guard import bank_guard as bank_guard
 from ._guard import bank_guard_reference as bank_guard_reference
 from ._guard_many import Verified as Verified

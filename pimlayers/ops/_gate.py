@@ -20,7 +20,7 @@ from ._common import check_float
 from ._dispatch import check_impl, dispatch
 from ._rows import row_parallel
 
-__all__ = ["gate", "gate_reference"]
+__all__ = ["gate", "gate_reference", "gate_with_keep"]
 
 
 def gate_keep(x, limit: float):
@@ -97,3 +97,51 @@ def gate(
     if not isinstance(fill, int | float):
         raise TypeError(f"pimlayers.gate: fill must be a Python number, got {type(fill).__name__}")
     return _gate(x, float(fill), float(limit), impl)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _gate_keep_given(x, keep, fill, impl):
+    return _gate(x, fill, math.inf, impl)
+
+
+@_gate_keep_given.defjvp
+def _gate_keep_given_jvp(fill, impl, primals, tangents):
+    (x, keep), (dx, _) = primals, tangents
+    y, counts = _gate_keep_given(x, keep, fill, impl)
+    dy = jnp.where(keep, dx, jnp.zeros_like(dx))
+    return (y, counts), (dy, np.zeros(counts.shape, jax.dtypes.float0))
+
+
+def gate_with_keep(
+    x: Float[Array, "*rows n"], keep: Array, *, fill: float = 0.0, impl: str = "auto"
+) -> tuple[Float[Array, "*rows n"], Int[Array, "*rows"]]:
+    """:func:`gate` (NaN and ±Inf only) whose gradient passes where ``keep`` (bool, broadcastable to
+    x) says, in place of where the values were kept: for a caller that knows the kept positions from
+    cheaper inputs than x itself. ``keep`` must equal ``isfinite(x)`` wherever the gradient
+    matters; the forward (values, counts) is :func:`gate`'s, bit for bit.
+
+    Why: the gradient's mask from x makes a backward pass that rematerialises x compute it first. An
+    RMSNorm's output needs its rows' statistics, so its backward took two dependent passes over the
+    input where the ungated norm takes one (on an H100, 8192 x 4096 bf16 under ``jax.checkpoint``,
+    2026-12-07: +58-68 µs over the ungated norm's 0.23 ms); from the input and the scale alone the
+    mask is a sibling of the statistics' reduction (``layers.rms_norm``)."""
+    check_float("gate_with_keep", "x", x)
+    if not isinstance(fill, int | float):
+        raise TypeError(f"pimlayers.gate_with_keep: fill must be a Python number, got {type(fill).__name__}")
+    keep = jnp.asarray(keep)
+    if keep.dtype != jnp.bool_:
+        raise TypeError(f"pimlayers.gate_with_keep: keep has dtype {keep.dtype}; expected bool")
+    try:
+        jnp.broadcast_shapes(keep.shape, x.shape)
+    except ValueError:
+        raise ValueError(
+            f"pimlayers.gate_with_keep: keep has shape {tuple(keep.shape)}, which does not broadcast "
+            f"to x's {tuple(x.shape)}"
+        ) from None
+    if jnp.broadcast_shapes(keep.shape, x.shape) != tuple(x.shape):
+        raise ValueError(
+            f"pimlayers.gate_with_keep: keep has shape {tuple(keep.shape)}; it must broadcast to x's "
+            f"{tuple(x.shape)} without growing it"
+        )
+    check_impl("gate", impl)
+    return _gate_keep_given(x, jnp.broadcast_to(keep, x.shape), float(fill), impl)
