@@ -1029,6 +1029,34 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
     assert len(json.loads(saved.read_text())["rows"]) == 19
 
 
+def test_norm_gate_times_the_three_masks_plain_and_rematerialised(monkeypatch, tmp_path, capsys):
+    """benchmarks.norm_gate at a CPU size: a row per variant (the gradient's mask from the input, from
+    the output, no gate) plain and under remat, each against the ungated one of its kind, the
+    fusions of its program counted, saved with its command; bad sizes are refused."""
+    import warnings
+
+    from benchmarks import _harness, norm_gate
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    with warnings.catch_warnings():  # the CPU's native gate leaves device_time's loop: a smoke run
+        warnings.simplefilter("ignore", RuntimeWarning)
+        norm_gate.main(["--rows", "64", "--features", "256", "--rounds", "1", "--save", "t"])
+    (saved,) = tmp_path.glob("*-norm-gate-t-*.json")
+    payload = json.loads(saved.read_text())
+    rows = payload["rows"]
+    assert [(r["variant"], r["remat"]) for r in rows] == [
+        (v, remat) for remat in (False, True) for v in ("input_mask", "output_mask", "off")
+    ]
+    for r in rows:
+        off = next(o for o in rows if o["variant"] == "off" and o["remat"] == r["remat"])
+        assert r["vs_off"] == pytest.approx(r["ms"] / off["ms"]) and r["ms"] > 0 and r["fusions"] > 0
+    want = "python -m benchmarks.norm_gate --rows 64 --features 256 --rounds 1 --save t"
+    assert payload["command"].endswith(want)  # after the suite's XLA_FLAGS
+    assert "input_mask" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--rows 0"):
+        norm_gate.main(["--rows", "0"])
+
+
 def test_margins_summary_has_one_row_per_gemm_kind_worst_first():
     import jax
     import jax.numpy as jnp
