@@ -81,6 +81,13 @@ one-read kernel takes the check; the floors are max(reads of x / bandwidth, mult
 x read twice (`two_read_us`, XLA's c and mag GEMMs) or once (`one_read_us`), at the rates the note
 names. The step's measured check GEMMs are the profile's `check GEMMs` category.
 
+Reading the norm-gate table (`python -m benchmarks.norm_gate`): the Llama-3 model's RMSNorm (llama
+style, bf16, 8192 x 4096 by default), value and gradient, gated with the gradient's mask from its
+input and scale (`input_mask`, the default since 2026-12-07), with the gate's own mask from the
+output (`output_mask`) and ungated (`off`), plain and under `jax.checkpoint` (`remat`, as the model's
+blocks); device time, the median over rounds; `over_off_us` and `vs_off` against the ungated norm of
+the same kind; `fusions` counts the compiled program's fusions (XLA's kernels, about).
+
 Reading the memory table: the parameters are four Llama-3-8B decoder layers' weights in bf16 (1.75 GB)
 in a `PimStore` with the H200 geometry (4 KiB stripes, parity groups of 8). `vs_copy`, `vs_read` and
 `vs_datasheet` relate the scrub's bandwidth to the device copy (read + write) and to a read-only XLA
