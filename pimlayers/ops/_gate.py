@@ -143,5 +143,5 @@ def gate_with_keep(
             f"pimlayers.gate_with_keep: keep has shape {tuple(keep.shape)}; it must broadcast to x's "
             f"{tuple(x.shape)} without growing it"
         )
-    check_impl("gate", impl)
+    check_impl("gate_with_keep", impl)
     return _gate_keep_given(x, jnp.broadcast_to(keep, x.shape), float(fill), impl)
