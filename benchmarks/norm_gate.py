@@ -16,7 +16,8 @@ respect to x and the scale):
 Each is timed plain and under ``jax.checkpoint`` (``remat``: the backward recomputes the forward, as
 the model's blocks do), as device time (10 calls in one jitted loop, ``_harness.device_time``), the
 variants alternating within each of ``--rounds`` rounds; the rows give each one's median, its ratio
-to ``off`` and the fusions in its compiled program (XLA's kernels, about). Results go to
+to ``off`` and the fusions in its compiled program (XLA's kernels, about; ``--hlo DIR`` writes the
+programs, ``<variant>[-remat].txt``, to read which). Results go to
 ``benchmarks/results/<date>-norm-gate[-TAG]-<device>.json``.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import re
 import shlex
 import statistics
@@ -60,7 +62,7 @@ def fusions(compiled_text: str) -> int:
     return len(re.findall(r"= \S+ fusion\(", entry))
 
 
-def run(rows: int, features: int, dtype, rounds: int) -> list[dict]:
+def run(rows: int, features: int, dtype, rounds: int, hlo_dir: pathlib.Path | None = None) -> list[dict]:
     kx, ks, kc = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (rows, features), dtype)
     scale = 1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)
@@ -68,7 +70,12 @@ def run(rows: int, features: int, dtype, rounds: int) -> list[dict]:
     out = []
     for remat in (False, True):
         steps = {name: norm_step(p, cotangent, remat) for name, p in VARIANTS.items()}
-        kernels = {name: fusions(fn.lower(x, scale).compile().as_text()) for name, fn in steps.items()}
+        texts = {name: fn.lower(x, scale).compile().as_text() for name, fn in steps.items()}
+        kernels = {name: fusions(text) for name, text in texts.items()}
+        if hlo_dir is not None:
+            hlo_dir.mkdir(parents=True, exist_ok=True)
+            for name, text in texts.items():
+                (hlo_dir / f"{name}{'-remat' if remat else ''}.txt").write_text(text)
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, fn in steps.items():
@@ -102,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         "--save", default=None, metavar="TAG", help="write benchmarks/results/...-norm-gate-TAG-..."
     )
     ap.add_argument("--note", default="")
+    ap.add_argument(
+        "--hlo", type=pathlib.Path, default=None, metavar="DIR", help="write each compiled program's HLO here"
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.rows < 1 or args.features < 1 or args.rounds < 1:
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             f"benchmarks.norm_gate: --rows {args.rows}, --features {args.features}, --rounds "
             f"{args.rounds}; expected each >= 1"
         )
-    rows = run(args.rows, args.features, jnp.dtype(args.dtype), args.rounds)
+    rows = run(args.rows, args.features, jnp.dtype(args.dtype), args.rounds, args.hlo)
     print(f"{'variant':12} {'remat':>5} {'ms':>9} {'+us':>8} {'vs off':>7} {'fusions':>7}")
     for r in rows:
         print(

@@ -1040,7 +1040,20 @@ def test_norm_gate_times_the_three_masks_plain_and_rematerialised(monkeypatch, t
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
     with warnings.catch_warnings():  # the CPU's native gate leaves device_time's loop: a smoke run
         warnings.simplefilter("ignore", RuntimeWarning)
-        norm_gate.main(["--rows", "64", "--features", "256", "--rounds", "1", "--save", "t"])
+        norm_gate.main(
+            [
+                "--rows",
+                "64",
+                "--features",
+                "256",
+                "--rounds",
+                "1",
+                "--save",
+                "t",
+                "--hlo",
+                str(tmp_path / "hlo"),
+            ]
+        )
     (saved,) = tmp_path.glob("*-norm-gate-t-*.json")
     payload = json.loads(saved.read_text())
     rows = payload["rows"]
@@ -1050,8 +1063,13 @@ def test_norm_gate_times_the_three_masks_plain_and_rematerialised(monkeypatch, t
     for r in rows:
         off = next(o for o in rows if o["variant"] == "off" and o["remat"] == r["remat"])
         assert r["vs_off"] == pytest.approx(r["ms"] / off["ms"]) and r["ms"] > 0 and r["fusions"] > 0
-    want = "python -m benchmarks.norm_gate --rows 64 --features 256 --rounds 1 --save t"
-    assert payload["command"].endswith(want)  # after the suite's XLA_FLAGS
+    want = "python -m benchmarks.norm_gate --rows 64 --features 256 --rounds 1 --save t --hlo "
+    assert want in payload["command"]  # after the suite's XLA_FLAGS
+    hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+    assert hlo == sorted(f"{v}{r}.txt" for v in norm_gate.VARIANTS for r in ("", "-remat"))
+    for r in rows:  # each program's fusions, as counted from its file
+        text = (tmp_path / "hlo" / f"{r['variant']}{'-remat' if r['remat'] else ''}.txt").read_text()
+        assert norm_gate.fusions(text) == r["fusions"]
     assert "input_mask" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--rows 0"):
         norm_gate.main(["--rows", "0"])
