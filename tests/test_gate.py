@@ -122,3 +122,44 @@ def test_gate_with_keep_is_the_gate_forward_and_its_mask_backward():
         ops.gate_with_keep(x, jnp.ones((5, 12, 2), bool))
     with pytest.raises(ValueError, match=r"keep has shape \(7,\)"):
         ops.gate_with_keep(x, jnp.ones((7,), bool))
+
+
+@pytest.mark.parametrize("shape", RAGGED_SHAPES)
+def test_gate_with_keep_any_shape_under_jit_grad_and_vmap(shape):
+    """``gate_with_keep`` for every ragged shape (rank 0, zero-size), jitted: the forward is the
+    gate's, the gradient the mask's; batched by vmap as unbatched; an impl it does not know is
+    refused in its own name."""
+    rng = np.random.default_rng(3)
+    x = _poisoned(rng, shape, jnp.bfloat16)
+    keep = jnp.asarray(rng.random(shape) < 0.5)
+    y, c = jax.jit(lambda a, k: ops.gate_with_keep(a, k, fill=2.0))(x, keep)
+    y_r, c_r = ops.gate(x, fill=2.0)
+    assert np.asarray(y).tobytes() == np.asarray(y_r).tobytes() and np.array_equal(c, c_r)
+    g = jax.jit(jax.grad(lambda a: jnp.sum(ops.gate_with_keep(a, keep)[0].astype(jnp.float32))))(x)
+    assert np.array_equal(np.asarray(g, np.float32), np.asarray(keep, np.float32))
+    if len(shape) >= 2:
+        y_b, c_b = jax.vmap(lambda a, k: ops.gate_with_keep(a, k))(x, keep)
+        assert np.asarray(y_b).tobytes() == np.asarray(ops.gate(x)[0]).tobytes()
+        assert np.array_equal(c_b, ops.gate(x)[1])
+    with pytest.raises(ValueError, match=r"pimlayers.gate_with_keep: impl='fast'"):
+        ops.gate_with_keep(x, keep, impl="fast")
+
+
+def test_gate_with_keep_inside_shard_map(cpu_mesh):
+    """Each device gates its rows with its part of the mask: values, counts and gradient as the
+    whole array's."""
+    rng = np.random.default_rng(4)
+    n = cpu_mesh.devices.size
+    xs = _poisoned(rng, (n * 2, 9), jnp.float32)
+    ks = jnp.asarray(rng.random((n * 2, 9)) < 0.5)
+    f = jax.shard_map(
+        lambda a, k: ops.gate_with_keep(a, k),
+        mesh=cpu_mesh,
+        in_specs=(P("d"), P("d")),
+        out_specs=(P("d"), P("d")),
+    )
+    y_s, c_s = jax.jit(f)(xs, ks)
+    assert np.array_equal(np.asarray(y_s), np.asarray(ops.gate(xs)[0]), equal_nan=True)
+    assert np.array_equal(np.asarray(c_s), np.asarray(ops.gate(xs)[1]))
+    g = jax.jit(jax.grad(lambda a: jnp.sum(f(a, ks)[0])))(xs)
+    assert np.array_equal(np.asarray(g), np.asarray(ks, np.float32))
