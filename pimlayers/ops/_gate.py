@@ -71,7 +71,7 @@ def _gate_jvp(fill, limit, impl, primals, tangents):
     (x,), (dx,) = primals, tangents
     y, counts = _gate(x, fill, limit, impl)
     dy = jnp.where(gate_keep(x, limit), dx, jnp.zeros_like(dx))
-    return (y, counts), (dy, np.zeros(counts.shape, jax.dtypes.float0))
+    return (y, counts), (dy, jnp.zeros_like(counts, dtype=jax.dtypes.float0))
 
 
 def gate(
@@ -109,7 +109,7 @@ def _gate_keep_given_jvp(fill, impl, primals, tangents):
     (x, keep), (dx, _) = primals, tangents
     y, counts = _gate_keep_given(x, keep, fill, impl)
     dy = jnp.where(keep, dx, jnp.zeros_like(dx))
-    return (y, counts), (dy, np.zeros(counts.shape, jax.dtypes.float0))
+    return (y, counts), (dy, jnp.zeros_like(counts, dtype=jax.dtypes.float0))
 
 
 def gate_with_keep(
