@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 from ._common import check_float
@@ -71,7 +72,7 @@ def _gate_jvp(fill, limit, impl, primals, tangents):
     (x,), (dx,) = primals, tangents
     y, counts = _gate(x, fill, limit, impl)
     dy = jnp.where(gate_keep(x, limit), dx, jnp.zeros_like(dx))
-    return (y, counts), (dy, jnp.zeros_like(counts, dtype=jax.dtypes.float0))
+    return (y, counts), (dy, _no_tangent(counts))
 
 
 def gate(
@@ -99,6 +100,13 @@ def gate(
     return _gate(x, float(fill), float(limit), impl)
 
 
+def _no_tangent(counts):
+    """The integer counts' zero tangent, as JAX's own rules form one (``frexp``'s exponent): from the
+    counts, so that inside shard_map it varies over the mesh axes as they do. A NumPy float0 constant
+    varies over none, which JAX's custom_jvp check refused there (a TypeError, jax 0.10.2)."""
+    return lax.full_like(counts, 0, jax.dtypes.float0)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _gate_keep_given(x, keep, fill, impl):
     return _gate(x, fill, math.inf, impl)
@@ -109,7 +117,7 @@ def _gate_keep_given_jvp(fill, impl, primals, tangents):
     (x, keep), (dx, _) = primals, tangents
     y, counts = _gate_keep_given(x, keep, fill, impl)
     dy = jnp.where(keep, dx, jnp.zeros_like(dx))
-    return (y, counts), (dy, jnp.zeros_like(counts, dtype=jax.dtypes.float0))
+    return (y, counts), (dy, _no_tangent(counts))
 
 
 def gate_with_keep(
