@@ -568,3 +568,48 @@ def test_failing_groups_are_one_reduction_per_shape_and_count_nan_as_failing():
     np.testing.assert_array_equal(got, want)
     jaxpr = jax.make_jaxpr(lambda *r: _failing(list(r), b, kvh))(*rows).jaxpr
     assert sum(e.primitive.name == "reduce_or" for e, _ in jaxpr_eqns(jaxpr)) == 2
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_attention_core_inside_shard_map(cpu_mesh, flash):
+    """The batch split over a mesh: inside shard_map the attention core (materialised, or the flash
+    kernels' references with their rerun loop) runs under JAX's varying-axes checks, a fault on one
+    device's batch is corrected and counted once by the psum'd report, and the gradient (with
+    ``check_vma=False``, as for the protected GEMM) is the unsplit core's."""
+    from jax.sharding import PartitionSpec as P
+
+    n = cpu_mesh.devices.size
+    t, d = (128, 64) if flash else (6, 8)
+    dt = jnp.bfloat16 if flash else jnp.float32  # the flash kernels' checksums are bf16
+    q, k, v = (_x((n, t, h, d), dt, seed=i) for i, h in ((1, 2), (2, 1), (3, 1)))
+    sites = (1 * 1 * 2 * t, t)  # one device's scores GEMMs: (batch, KV head, group, rows), keys
+
+    def local(q, k, v, fire):
+        f = GemmFaults.random(jax.random.key(1), sites, 1, 1.0, bit=29)
+        f = f._replace(active=f.active & (fire[0] > 0))
+        out, r = L.attention_core(q, k, v, faults={"scores": f}, flash=flash)
+        return out, jax.lax.psum(r.gemm_detected, "d"), jax.lax.psum(r.gemm_uncorrectable, "d")
+
+    fire = jnp.zeros((n,), jnp.int32).at[n - 1].set(1)
+    spec = P("d")
+    sm = jax.shard_map(local, mesh=cpu_mesh, in_specs=(spec,) * 4, out_specs=(spec, P(), P()))
+    out, detected, unco = jax.jit(sm)(q, k, v, fire)
+    clean, _ = L.attention_core(q, k, v, flash=flash)
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+    assert (int(detected), int(unco)) == (1, 0)
+
+    loss = jax.shard_map(
+        lambda q, k, v: jax.lax.psum(
+            jnp.sum(jnp.sin(L.attention_core(q, k, v, flash=flash)[0].astype(jnp.float32))), "d"
+        ),
+        mesh=cpu_mesh,
+        in_specs=(spec,) * 3,
+        out_specs=P(),
+        check_vma=False,
+    )
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(jnp.sin(L.attention_core(*a, flash=flash)[0])), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -936,3 +936,41 @@ def test_protected_matmuls_refuse_mismatched_inputs():
         ops.protected_matmuls(x, (w, w.astype(jnp.bfloat16)))
     with pytest.raises(ValueError, match=r"x \(4, 8\) @ w \(9, 16\); expected x \(\.\.\., K\)"):
         ops.protected_matmuls(x, (w, jnp.ones((9, 16))))
+
+
+def test_inside_shard_map_forward_checked_and_gradient_without_vma_checks(cpu_mesh):
+    """Rows split over a mesh, the weight replicated: inside shard_map the protected GEMM and its
+    recompute loop run under JAX's varying-axes checks (the loop's carry varies as its input does),
+    a fault on one device's rows is corrected there and counted once by the psum'd report, and the
+    gradient (with ``check_vma=False``: the custom VJP's cotangent of a replicated weight is not
+    typed for those checks yet) is the unsplit GEMM's."""
+    from jax.sharding import PartitionSpec as P
+
+    n = cpu_mesh.devices.size
+    ks = jax.random.split(jax.random.key(7), 2)
+    x = jax.random.normal(ks[0], (8 * n, 32))
+    w = jax.random.normal(ks[1], (32, 48))
+
+    def local(xs, w, fire):
+        faults = GemmFaults.random(jax.random.key(1), (8, 48), 1, 1.0, bit=30)
+        hit = faults._replace(active=faults.active & (fire[0] > 0))
+        y, rep = ops.protected_matmul(xs, w, faults=(hit, None, None))
+        return y, jax.lax.psum(rep.gemm_detected, "d"), jax.lax.psum(rep.gemm_corrected, "d")
+
+    fire = jnp.zeros((n,), jnp.int32).at[n // 2].set(1)  # one device's rows hit
+    sm = jax.shard_map(local, mesh=cpu_mesh, in_specs=(P("d"), P(), P("d")), out_specs=(P("d"), P(), P()))
+    y, detected, corrected = jax.jit(sm)(x, w, fire)
+    np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-4)
+    assert (int(detected), int(corrected)) == (1, 1)
+
+    loss = jax.shard_map(
+        lambda xs, w: jax.lax.psum(jnp.sum(jnp.sin(ops.protected_matmul(xs, w)[0])), "d"),
+        mesh=cpu_mesh,
+        in_specs=(P("d"), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -318,13 +318,15 @@ def _run_checked(run, inputs: tuple, faults, groups, n: int, policy: FaultPolicy
     def redo(carry):
         # The barrier keeps XLA from reusing the first call's results: a real rerun.
         outs2, ch2 = run(*lax.optimization_barrier(inputs), None)
-        gated = jnp.int32(0)
+        # The counters and the stop flag from the carry's (zeros_like), not constants: inside
+        # shard_map they then vary over the mesh axes as the carry does, which the loop requires.
+        gated = jnp.zeros_like(carry[2])
         if gate_first and policy.gate:
             first, counts = gate(outs2[0], fill=policy.gate_fill, limit=policy.gate_limit)
             outs2, gated = (first, *outs2[1:]), jnp.sum(counts, dtype=jnp.int32)
-        return outs2, jnp.sum(groups(ch2), dtype=jnp.int32), gated, jnp.int32(n), jnp.bool_(False)
+        return outs2, jnp.sum(groups(ch2), dtype=jnp.int32), gated, jnp.int32(n), jnp.zeros_like(carry[-1])
 
-    init = (outs, detected, jnp.int32(0), jnp.int32(0), detected > 0)
+    init = (outs, detected, jnp.zeros_like(detected), jnp.int32(0), detected > 0)
     outs, still, gated, recomputed, _ = lax.while_loop(lambda c: c[-1], redo, init)
     report = FaultReport(
         gemm_checked=n,

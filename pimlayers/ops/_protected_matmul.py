@@ -234,7 +234,7 @@ def _checked_gemm(
         gated = gated + gated_first
     elif policy.corrects and policy.recompute:
 
-        def slow(_):
+        def slow(carry):
             # The barrier keeps XLA from reusing the first product: this is a real recompute.
             a2, b2 = lax.optimization_barrier((a, b))
             y2 = _dot(a2, b2, precision, a_t, b_t, prod)
@@ -242,7 +242,9 @@ def _checked_gemm(
                 _margins.record("redo", y2, *own(), a.dtype, **_margin_kw(policy, k))
             out2, flags2, counts2 = _finish(y2, c, mag, correct=policy.locate, **kw)
             still2 = jnp.sum(flags2 == ABFT_DETECTED, dtype=jnp.int32)
-            return out2, counts2, still2, jnp.int32(g), jnp.bool_(False)
+            # The stop flag from the carry's (zeros_like), not a constant: inside shard_map it then
+            # varies over the mesh axes as the flag it replaces does, which the loop requires.
+            return out2, counts2, still2, jnp.int32(g), jnp.zeros_like(carry[-1])
 
         # A loop of 0 or 1 trips rather than lax.cond: the loop carries `out` in place where the
         # cond's keep branch copies it (112 us at 8192 x 14336 bf16 on an H200); side by side the
