@@ -938,12 +938,12 @@ def test_protected_matmuls_refuse_mismatched_inputs():
         ops.protected_matmuls(x, (w, jnp.ones((9, 16))))
 
 
-def test_inside_shard_map_forward_checked_and_gradient_without_vma_checks(cpu_mesh):
+def test_inside_shard_map_forward_and_gradient_checked_and_corrected(cpu_mesh):
     """Rows split over a mesh, the weight replicated: inside shard_map the protected GEMM and its
     recompute loop run under JAX's varying-axes checks (the loop's carry varies as its input does),
     a fault on one device's rows is corrected there and counted once by the psum'd report, and the
-    gradient (with ``check_vma=False``: the custom VJP's cotangent of a replicated weight is not
-    typed for those checks yet) is the unsplit GEMM's."""
+    gradient, with the checks on (the replicated weight cast to varying before the custom VJP:
+    ``ops._vma``, so its cotangent is summed over the devices) and off, is the unsplit GEMM's."""
     from jax.sharding import PartitionSpec as P
 
     n = cpu_mesh.devices.size
@@ -963,14 +963,38 @@ def test_inside_shard_map_forward_checked_and_gradient_without_vma_checks(cpu_me
     np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-4)
     assert (int(detected), int(corrected)) == (1, 1)
 
-    loss = jax.shard_map(
-        lambda xs, w: jax.lax.psum(jnp.sum(jnp.sin(ops.protected_matmul(xs, w)[0])), "d"),
-        mesh=cpu_mesh,
-        in_specs=(P("d"), P()),
-        out_specs=P(),
-        check_vma=False,
-    )
-    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     want = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for check_vma in (True, False):
+        loss = jax.shard_map(
+            lambda xs, w: jax.lax.psum(jnp.sum(jnp.sin(ops.protected_matmul(xs, w)[0])), "d"),
+            mesh=cpu_mesh,
+            in_specs=(P("d"), P()),
+            out_specs=P(),
+            check_vma=check_vma,
+        )
+        got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_vary_alike_casts_only_inside_shard_map_and_only_floats(cpu_mesh):
+    """``ops._vma``: outside shard_map the operands come back as they were (the same objects);
+    inside, a replicated float operand is cast to vary as the split one does, an integer one is
+    left (its float0 zero cotangent is formed from it and varies as it does)."""
+    from jax.sharding import PartitionSpec as P
+
+    from pimlayers.ops._vma import _varying, vary_alike, zero_cotangent
+
+    x, w, sites = jnp.ones((8, 4)), jnp.ones((4, 3)), jnp.zeros((2,), jnp.int32)
+    same = vary_alike(x, w, sites)
+    assert all(a is b for a, b in zip(same, (x, w, sites), strict=True))
+    assert zero_cotangent(sites).dtype == jax.dtypes.float0 and zero_cotangent(w).dtype == w.dtype
+    seen = {}
+
+    def local(x, w, sites):
+        x2, w2, s2 = vary_alike(x, w, sites)
+        seen.update(w=_varying(w), w2=_varying(w2), s2=_varying(s2), z=_varying(zero_cotangent(x)))
+        return x2 @ w2
+
+    jax.jit(jax.shard_map(local, mesh=cpu_mesh, in_specs=(P("d"), P(), P()), out_specs=P("d")))(x, w, sites)
+    assert seen == dict(w=frozenset(), w2=frozenset({"d"}), s2=frozenset(), z=frozenset({"d"}))

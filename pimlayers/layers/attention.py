@@ -56,6 +56,7 @@ from ..ops._flash_bwd import bwd_gemms
 from ..ops._fused_gemm import hopper
 from ..ops._protected_matmul import _to_tap
 from ..ops._rows import row_parallel
+from ..ops._vma import vary_alike, zero_cotangent
 from ._common import check_features, policy_or_default, stock
 from .linear import linear, linears
 from .rope import apply_rope
@@ -513,7 +514,7 @@ def _flash_vjp_bwd(scale, causal, policy, reference, res, cts):
     """
     q, k, v, out, lse, ff, bwd_faults = res
     dout, _ = cts
-    zero = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+    zero = lambda tree: jax.tree.map(zero_cotangent, tree)
     if not reference and not bwd_faults and flash_bwd_supported(q.shape, k.shape, q.dtype, causal):
         (dq, dk, dv), report = _flash_backward(q, k, v, out, lse, dout.astype(q.dtype), scale, causal, policy)
         return dq, dk, dv, zero(ff), zero(bwd_faults), _to_tap(report)
@@ -560,6 +561,7 @@ def _flash_core(q, k, v, faults, tap, scale: float, causal: bool, policy: FaultP
     ff = _flash_faults(f_scores, f_pv, b, h, t, kvh)
     bwd = {name: f for name, f in (("scores", b_scores), ("pv", b_pv)) if f is not None}
     tap = zero_tap() if tap is None else tap
+    q, k, v, tap = vary_alike(q, k, v, tap)  # inside shard_map: ops._vma says why
     return _flash_vjp(q, k, v, ff, bwd, tap, scale, causal, policy, reference)
 
 

@@ -67,6 +67,7 @@ from ._gate import gate
 from ._redo_kernel import redo_detected, redo_kernel_applies, redo_kernel_wanted
 from ._redo_sharding import tally_parts
 from ._rows import row_sums
+from ._vma import vary_alike, zero_cotangent
 
 __all__ = [
     "TRANSPOSED_CHECKSUMS",
@@ -692,7 +693,7 @@ def _pmm_bwd(policy, precision, impl, out_dtype, res, cts):
             aa, dys, dy_encs, dw_policy, f_db, precision, impl, bs[0].dtype, "dw", a_t=True
         )
     zeros_enc = jax.tree.map(jnp.zeros_like, encs)
-    no_faults = jax.tree.map(lambda v: np.zeros(v.shape, jax.dtypes.float0), faults)
+    no_faults = jax.tree.map(zero_cotangent, faults)
     return da, db, zeros_enc, no_faults, _to_tap(r_da + r_db)
 
 
@@ -948,6 +949,7 @@ def _matmuls(op: str, x, ws, encs, policy, faults, tap, precision, impl, checkpo
         encs1 = tuple(None if e is None else WeightChecksums(e.sums[None], e.abs_sums[None]) for e in encs)
         ws1 = tuple(w[None] for w in ws)
         x1 = x.reshape(1, -1, k)
+        x1, ws1, encs1, tap = vary_alike(x1, ws1, encs1, tap)  # inside shard_map: _vma says why
         ys, report = _pmm(x1, ws1, encs1, faults, tap, policy, precision, impl, out_dtype)
         if checkpoint is not None:
             ys = tuple(checkpoint_name(y, checkpoint) for y in ys)
@@ -992,6 +994,7 @@ def protected_bmm(
     a3, b3 = a.reshape(g, r, k), b.reshape(g, k, n)
     with jax.named_scope("pimlayers.protected_bmm"):
         enc = _encode(b3, policy)
+        a3, b3, enc, tap = vary_alike(a3, b3, enc, tap)  # inside shard_map: _vma says why
         (y,), report = _pmm(a3, (b3,), (enc,), (faults,), tap, policy, precision, impl, jnp.dtype(out_dtype))
     return y.reshape(*lead, r, n), report
 
