@@ -297,8 +297,9 @@ def source_digest(root: pathlib.Path = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
-def command_line(module: str = "benchmarks.run") -> str:
-    """The command that ran ``module`` (with XLA_FLAGS where set), as a results file records it."""
+def command_line(module: str = "benchmarks.run", argv: list[str] | None = None) -> str:
+    """The command that ran ``module`` (with XLA_FLAGS where set), as a results file records it:
+    its arguments ``argv`` where a caller passed them to ``main(argv)``, else the process's."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = f"XLA_FLAGS={shlex.quote(flags.strip())} " if flags.strip() else ""
-    return env + f"python -m {module} " + shlex.join(sys.argv[1:])
+    return env + f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -39,7 +39,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
-from ._harness import write_result
+from ._harness import command_line, write_result
 
 H100_BANDWIDTH_TBS = 3.35  # H100 SXM HBM3, datasheet
 CHECK_GEMM_TFLOPS = 640.0  # a compute-bound check GEMM on an H100 (gate and up's forward c, 2026-12-07)
@@ -231,9 +231,13 @@ def main(argv=None) -> None:
         "--save", default="", metavar="TAG", help="write benchmarks/results/<date>-check-gemms-TAG-..."
     )
     ap.add_argument("--note", default="")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.layers < 1 or args.bandwidth <= 0 or args.gemm_tflops <= 0:
-        raise SystemExit("benchmarks.check_gemms: --tokens and --layers must be >= 1, the rates > 0")
+        raise ValueError(
+            f"benchmarks.check_gemms: --tokens {args.tokens}, --layers {args.layers}, --bandwidth "
+            f"{args.bandwidth}, --gemm-tflops {args.gemm_tflops}; expected counts >= 1 and rates > 0"
+        )
     rows, _ = layer_checks(args.config, args.tokens, args.block_n, args.plain_checks)
     rows = with_floors(rows, args.bandwidth, args.gemm_tflops)
     print(
@@ -271,7 +275,7 @@ def main(argv=None) -> None:
         path = write_result(
             "check-gemms",
             rows,
-            "python -m benchmarks.check_gemms " + " ".join(sys.argv[1:]),
+            command_line("benchmarks.check_gemms", argv),
             tag=args.save,
             note=note,
         )

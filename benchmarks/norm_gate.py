@@ -24,10 +24,8 @@ programs, ``<variant>[-remat].txt``, to read which). Results go to
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import re
-import shlex
 import statistics
 import sys
 
@@ -37,7 +35,7 @@ import jax.numpy as jnp
 from pimlayers import FaultPolicy
 from pimlayers.layers import rms_norm
 
-from ._harness import device_time, write_result
+from ._harness import command_line, device_time, write_result
 
 VARIANTS = {
     "input_mask": FaultPolicy(),
@@ -127,9 +125,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['vs_off']:7.3f} {r['fusions']:7d}"
         )
     if args.save is not None:
-        flags = os.environ.get("XLA_FLAGS", "").strip()
-        cmd = (f"XLA_FLAGS={shlex.quote(flags)} " if flags else "") + "python -m benchmarks.norm_gate "
-        path = write_result("norm-gate", rows, cmd + shlex.join(argv), tag=args.save, note=args.note)
+        cmd = command_line("benchmarks.norm_gate", argv)
+        path = write_result("norm-gate", rows, cmd, tag=args.save, note=args.note)
         print(f"wrote {path}")
 
 

@@ -1026,7 +1026,13 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
     out = capsys.readouterr().out
     assert "a layer: 19 check GEMMs" in out and "between the two floors at the checks the kernel takes" in out
     (saved,) = tmp_path.glob("*-check-gemms-t-*.json")
-    assert len(json.loads(saved.read_text())["rows"]) == 19
+    payload = json.loads(saved.read_text())
+    assert len(payload["rows"]) == 19
+    assert payload["command"].endswith(
+        "python -m benchmarks.check_gemms --config llama3_tiny --tokens 128 --save t"
+    )
+    with pytest.raises(ValueError, match="--tokens 0"):
+        check_gemms.main(["--tokens", "0"])
 
 
 def test_norm_gate_times_the_three_masks_plain_and_rematerialised(monkeypatch, tmp_path, capsys):

@@ -249,31 +249,27 @@ def _norm_case(style, dtype, seed=3):
     x[4] = 0.0
     x[5, 9] = -np.inf
     scale = jnp.asarray(1 + 0.2 * rng.normal(size=40), dtype)
-    bias = jnp.asarray(0.1 * rng.normal(size=40), dtype) if style == "equinox" else None  # gate's own mask
-    return jnp.asarray(x, dtype), scale, bias
+    return jnp.asarray(x, dtype), scale
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("style", ["flax", "equinox", "llama"])
 def test_rms_norm_gate_gradient_mask_from_the_input_matches_the_outputs(style, dtype):
-    """The gated norm's gradient mask comes from x, the scale and the bias (``layers.norm._kept``:
-    no second pass over x in a rematerialised backward), not from its output; on rows with an Inf,
-    a NaN, squares past f32's range and zeros, values, counts and the gradients of x, the scale and
-    the bias are bit for bit those of the gate's own mask (a limit past every finite output: the
-    general path)."""
-    x, scale, bias = _norm_case(style, dtype)
+    """The gated norm's gradient mask comes from x and the scale (``layers.norm._kept``: no second
+    pass over x in a rematerialised backward), not from its output; on rows with an Inf, a NaN,
+    squares past f32's range and zeros, values, counts and the gradients of x and the scale are
+    bit for bit those of the gate's own mask (a limit past every finite output: the general path)."""
+    x, scale = _norm_case(style, dtype)
     cot = jnp.asarray(np.random.default_rng(4).normal(size=x.shape), dtype)
 
     def run(policy):
-        def f(x, scale, bias):
-            norm = lambda r: L.rms_norm(r, scale, bias, eps=1e-5, style=style, policy=policy)
+        def f(x, scale):
+            norm = lambda r: L.rms_norm(r, scale, eps=1e-5, style=style, policy=policy)
             y, rep = jax.vmap(norm)(x) if style == "equinox" else norm(x)  # equinox's: one vector
             gated = jnp.sum(rep.nonfinite_gated)
             return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32)), (y, gated)
 
-        return jax.jit(
-            jax.value_and_grad(f, argnums=(0, 1, 2) if bias is not None else (0, 1), has_aux=True)
-        )(x, scale, bias)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, scale)
 
     (_, (y_fast, n_fast)), g_fast = run(pl.FaultPolicy())
     (_, (y_gen, n_gen)), g_gen = run(GENERAL)
@@ -288,11 +284,28 @@ def test_rms_norm_gate_gradient_mask_from_the_input_matches_the_outputs(style, d
     assert finite_rows == [True, False, False, True, True, False]
 
 
+def test_rms_norm_gate_with_a_bias_keeps_the_outputs_mask():
+    """An equinox norm with a bias keeps the gate's own mask (a bias's gradient sums the cotangents
+    alone, so the input's mask would let a NaN row's finite columns through): the NaN row gives the
+    bias no gradient, which is the bias gradient of the other rows alone."""
+    x, scale = _norm_case("equinox", jnp.float32)
+    bias = jnp.asarray(0.1 * np.random.default_rng(5).normal(size=40), jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(4).normal(size=x.shape), jnp.float32)
+
+    def db(rows):
+        norm = lambda r, b: L.rms_norm(r, scale, b, eps=1e-5, style="equinox")[0]
+        f = lambda b: jnp.sum(jax.vmap(norm, in_axes=(0, None))(x[rows], b) * cot[rows])
+        return np.asarray(jax.grad(f)(bias))
+
+    everything, without_nan_row = db(np.arange(6)), db(np.asarray([0, 1, 3, 4, 5]))
+    np.testing.assert_allclose(everything, without_nan_row, rtol=1e-6, atol=1e-6)
+
+
 def test_rms_norm_gate_mask_blocks_a_scale_column_past_its_range():
     """A scale entry so large that |s|·sqrt(E) passes half of f32's range (a corrupted parameter)
     passes no gradient in its column, even on rows whose value stayed finite; the other columns and
     the forward are the general path's."""
-    x, scale, _ = _norm_case("llama", jnp.float32)
+    x, scale = _norm_case("llama", jnp.float32)
     x = x[jnp.asarray([0, 4])]  # finite rows
     scale = scale.at[5].set(1e38)
 

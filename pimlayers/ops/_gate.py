@@ -14,12 +14,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array, Float, Int
 
 from ._common import check_float
 from ._dispatch import check_impl, dispatch
 from ._rows import row_parallel
+from ._vma import zero_cotangent  # the counts' float0 zero, varying as they do in shard_map
 
 __all__ = ["gate", "gate_reference", "gate_with_keep"]
 
@@ -72,7 +72,7 @@ def _gate_jvp(fill, limit, impl, primals, tangents):
     (x,), (dx,) = primals, tangents
     y, counts = _gate(x, fill, limit, impl)
     dy = jnp.where(gate_keep(x, limit), dx, jnp.zeros_like(dx))
-    return (y, counts), (dy, _no_tangent(counts))
+    return (y, counts), (dy, zero_cotangent(counts))
 
 
 def gate(
@@ -100,13 +100,6 @@ def gate(
     return _gate(x, float(fill), float(limit), impl)
 
 
-def _no_tangent(counts):
-    """The integer counts' zero tangent, as JAX's own rules form one (``frexp``'s exponent): from the
-    counts, so that inside shard_map it varies over the mesh axes as they do. A NumPy float0 constant
-    varies over none, which JAX's custom_jvp check refused there (a TypeError, jax 0.10.2)."""
-    return lax.full_like(counts, 0, jax.dtypes.float0)
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _gate_keep_given(x, keep, fill, impl):
     return _gate(x, fill, math.inf, impl)
@@ -117,7 +110,7 @@ def _gate_keep_given_jvp(fill, impl, primals, tangents):
     (x, keep), (dx, _) = primals, tangents
     y, counts = _gate_keep_given(x, keep, fill, impl)
     dy = jnp.where(keep, dx, jnp.zeros_like(dx))
-    return (y, counts), (dy, _no_tangent(counts))
+    return (y, counts), (dy, zero_cotangent(counts))
 
 
 def gate_with_keep(
@@ -140,13 +133,13 @@ def gate_with_keep(
     if keep.dtype != jnp.bool_:
         raise TypeError(f"pimlayers.gate_with_keep: keep has dtype {keep.dtype}; expected bool")
     try:
-        jnp.broadcast_shapes(keep.shape, x.shape)
+        shape = jnp.broadcast_shapes(keep.shape, x.shape)
     except ValueError:
         raise ValueError(
             f"pimlayers.gate_with_keep: keep has shape {tuple(keep.shape)}, which does not broadcast "
             f"to x's {tuple(x.shape)}"
         ) from None
-    if jnp.broadcast_shapes(keep.shape, x.shape) != tuple(x.shape):
+    if shape != tuple(x.shape):
         raise ValueError(
             f"pimlayers.gate_with_keep: keep has shape {tuple(keep.shape)}; it must broadcast to x's "
             f"{tuple(x.shape)} without growing it"

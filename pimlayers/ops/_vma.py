@@ -59,8 +59,10 @@ def vary_alike(*trees):
 
 
 def zero_cotangent(x):
-    """A zero cotangent of ``x`` with its type: zeros for a float, float0 zeros (formed from x, as
-    JAX's own rules form them, so inside ``shard_map`` they vary as x does) otherwise."""
+    """A zero cotangent (or tangent) of ``x`` with its type: zeros for a float, float0 zeros
+    otherwise, formed from x as JAX's own rules form them (``frexp``'s exponent), so inside
+    ``shard_map`` they vary as x does: a NumPy float0 constant varies over no axis, which JAX's
+    custom_jvp check refused there (``ops.gate``'s counts, a TypeError on jax 0.10.2)."""
     if _is_float(x):
         return jnp.zeros_like(x)
     return lax.full_like(x, 0, jax.dtypes.float0)
