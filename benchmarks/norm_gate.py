@@ -1,23 +1,27 @@
-"""The gated RMSNorm against the ungated one: forward and backward, alone and rematerialised.
+"""The gated RMSNorm against the ungated one: forward, and forward and backward alone and rematerialised.
 
 python -m benchmarks.norm_gate                       # 8192 x 4096 bf16 (a Llama-3-8B layer's norm)
 python -m benchmarks.norm_gate --rows 256 --features 512 --rounds 1 --save tiny   # a CPU smoke run
 
 A protected norm gates its output (``FaultPolicy.gate``: NaN and ±Inf replaced and counted), and the
 gate's gradient passes only where a value was kept. Three variants of ``layers.rms_norm`` (llama
-style, as the Llama-3 model has it; value and gradient of a sum against a fixed cotangent, with
-respect to x and the scale):
+style, as the Llama-3 model has it):
 
-* ``input_mask``: the default, the gradient's mask from x and the scale (``layers.norm._kept``);
+* ``input_mask``: the default, the masks from x, the scale and the row's statistic
+  (``layers.norm._columns_ok``): the forward's select fused into the norm, the gradient's mask a
+  sibling of the statistics' reduction;
 * ``output_mask``: the gate's own mask, from the norm's output (``FaultPolicy(gate_limit=3e38)``:
   the general path, which a finite limit takes; no finite output of these inputs reaches it);
 * ``off``: no gate (``FaultPolicy(gate=False)``), the floor.
 
-Each is timed plain and under ``jax.checkpoint`` (``remat``: the backward recomputes the forward, as
-the model's blocks do), as device time (10 calls in one jitted loop, ``_harness.device_time``), the
-variants alternating within each of ``--rounds`` rounds; the rows give each one's median, its ratio
-to ``off`` and the fusions in its compiled program (XLA's kernels, about; ``--hlo DIR`` writes the
-programs, ``<variant>[-remat].txt``, to read which). Results go to
+Each is timed three ways (``pass``, ``remat``): the forward alone, its output written as a
+following GEMM reads it (``forward``); the value and gradient of a sum against a fixed cotangent,
+with respect to x and the scale (``value_and_grad``), plain and under ``jax.checkpoint`` (the
+backward recomputes the forward, as the model's blocks do). Device time (10 calls in one jitted
+loop, ``_harness.device_time``), the variants alternating within each of ``--rounds`` rounds; the
+rows give each one's median, its ratio to ``off`` and the fusions in its compiled program (XLA's
+kernels, about; ``--hlo DIR`` writes the programs, ``<variant>[-forward|-remat].txt``, to read
+which). Results go to
 ``benchmarks/results/<date>-norm-gate[-TAG]-<device>.json``.
 """
 
@@ -44,12 +48,24 @@ VARIANTS = {
 }
 
 
-def norm_step(policy: FaultPolicy, cotangent: jax.Array, remat: bool):
-    """The jitted value and gradient (x, scale) of sum(rms_norm(x, scale) * cotangent)."""
+# (pass, remat) of each timing, and the suffix of its HLO file.
+KINDS = (("forward", False, "-forward"), ("value_and_grad", False, ""), ("value_and_grad", True, "-remat"))
+
+
+def norm_step(policy: FaultPolicy, cotangent: jax.Array, remat: bool, forward: bool = False):
+    """The jitted value and gradient (x, scale) of sum(rms_norm(x, scale) * cotangent); with
+    ``forward``, the norm's output and gate count alone."""
+
+    def norm(x, scale):
+        y, report = rms_norm(x, scale, eps=1e-5, dtype=x.dtype, style="llama", policy=policy)
+        return y, report.nonfinite_gated
+
+    if forward:
+        return jax.jit(norm)
 
     def f(x, scale):
-        y, report = rms_norm(x, scale, eps=1e-5, dtype=x.dtype, style="llama", policy=policy)
-        return jnp.sum(y.astype(jnp.float32) * cotangent.astype(jnp.float32)), report.nonfinite_gated
+        y, gated = norm(x, scale)
+        return jnp.sum(y.astype(jnp.float32) * cotangent.astype(jnp.float32)), gated
 
     return jax.jit(jax.value_and_grad(jax.checkpoint(f) if remat else f, argnums=(0, 1), has_aux=True))
 
@@ -66,14 +82,15 @@ def run(rows: int, features: int, dtype, rounds: int, hlo_dir: pathlib.Path | No
     scale = 1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)
     cotangent = jax.random.normal(kc, (rows, features), dtype)
     out = []
-    for remat in (False, True):
-        steps = {name: norm_step(p, cotangent, remat) for name, p in VARIANTS.items()}
+    for pass_, remat, suffix in KINDS:
+        forward = pass_ == "forward"
+        steps = {name: norm_step(p, cotangent, remat, forward) for name, p in VARIANTS.items()}
         texts = {name: fn.lower(x, scale).compile().as_text() for name, fn in steps.items()}
         kernels = {name: fusions(text) for name, text in texts.items()}
         if hlo_dir is not None:
             hlo_dir.mkdir(parents=True, exist_ok=True)
             for name, text in texts.items():
-                (hlo_dir / f"{name}{'-remat' if remat else ''}.txt").write_text(text)
+                (hlo_dir / f"{name}{suffix}.txt").write_text(text)
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, fn in steps.items():
@@ -83,6 +100,7 @@ def run(rows: int, features: int, dtype, rounds: int, hlo_dir: pathlib.Path | No
             out.append(
                 dict(
                     variant=name,
+                    **{"pass": pass_},
                     remat=remat,
                     rows=rows,
                     features=features,
@@ -118,10 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.rounds}; expected each >= 1"
         )
     rows = run(args.rows, args.features, jnp.dtype(args.dtype), args.rounds, args.hlo)
-    print(f"{'variant':12} {'remat':>5} {'ms':>9} {'+us':>8} {'vs off':>7} {'fusions':>7}")
+    print(f"{'variant':12} {'pass':>14} {'remat':>5} {'ms':>9} {'+us':>8} {'vs off':>7} {'fusions':>7}")
     for r in rows:
         print(
-            f"{r['variant']:12} {r['remat']!s:>5} {r['ms']:9.4f} {r['over_off_us']:8.1f} "
+            f"{r['variant']:12} {r['pass']:>14} {r['remat']!s:>5} {r['ms']:9.4f} {r['over_off_us']:8.1f} "
             f"{r['vs_off']:7.3f} {r['fusions']:7d}"
         )
     if args.save is not None:

@@ -1036,8 +1036,9 @@ def test_check_gemms_lists_a_layers_checks_as_a_gpu_forms_them(monkeypatch, tmp_
 
 
 def test_norm_gate_times_the_three_masks_plain_and_rematerialised(monkeypatch, tmp_path, capsys):
-    """benchmarks.norm_gate at a CPU size: a row per variant (the gradient's mask from the input, from
-    the output, no gate) plain and under remat, each against the ungated one of its kind, the
+    """benchmarks.norm_gate at a CPU size: a row per variant (the masks from the input, from the
+    output, no gate) forward alone, and forward and backward plain and under remat, each against
+    the ungated one of its kind, the
     fusions of its program counted, saved with its command; bad sizes are refused."""
     import warnings
 
@@ -1063,18 +1064,22 @@ def test_norm_gate_times_the_three_masks_plain_and_rematerialised(monkeypatch, t
     (saved,) = tmp_path.glob("*-norm-gate-t-*.json")
     payload = json.loads(saved.read_text())
     rows = payload["rows"]
-    assert [(r["variant"], r["remat"]) for r in rows] == [
-        (v, remat) for remat in (False, True) for v in ("input_mask", "output_mask", "off")
+    kinds = [("forward", False), ("value_and_grad", False), ("value_and_grad", True)]
+    assert [(r["variant"], r["pass"], r["remat"]) for r in rows] == [
+        (v, *kind) for kind in kinds for v in ("input_mask", "output_mask", "off")
     ]
     for r in rows:
-        off = next(o for o in rows if o["variant"] == "off" and o["remat"] == r["remat"])
+        off = next(
+            o for o in rows if o["variant"] == "off" and (o["pass"], o["remat"]) == (r["pass"], r["remat"])
+        )
         assert r["vs_off"] == pytest.approx(r["ms"] / off["ms"]) and r["ms"] > 0 and r["fusions"] > 0
     want = "python -m benchmarks.norm_gate --rows 64 --features 256 --rounds 1 --save t --hlo "
     assert want in payload["command"]  # after the suite's XLA_FLAGS
     hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
-    assert hlo == sorted(f"{v}{r}.txt" for v in norm_gate.VARIANTS for r in ("", "-remat"))
+    assert hlo == sorted(f"{v}{r}.txt" for v in norm_gate.VARIANTS for r in ("-forward", "", "-remat"))
     for r in rows:  # each program's fusions, as counted from its file
-        text = (tmp_path / "hlo" / f"{r['variant']}{'-remat' if r['remat'] else ''}.txt").read_text()
+        suffix = "-forward" if r["pass"] == "forward" else "-remat" if r["remat"] else ""
+        text = (tmp_path / "hlo" / f"{r['variant']}{suffix}.txt").read_text()
         assert norm_gate.fusions(text) == r["fusions"]
     assert "input_mask" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--rows 0"):

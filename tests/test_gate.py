@@ -128,17 +128,40 @@ def test_gate_with_keep_is_the_gate_forward_and_its_mask_backward():
         ops.gate_with_keep(x, jnp.ones((7,), bool))
 
 
+def test_gate_with_keep_exact_mask_drives_the_forward_only():
+    """With ``exact`` = isfinite(x) the forward is ``gate``'s bit for bit; the select and counts
+    come from that mask (a different one shows it: it is not recomputed from x) and the gradient
+    still from ``keep``; bad masks are refused by name."""
+    x = _poisoned(np.random.default_rng(5), (6, 10), jnp.bfloat16)
+    keep = jnp.asarray(np.random.default_rng(6).random((6, 10)) < 0.5)
+    y, c = jax.jit(lambda a: ops.gate_with_keep(a, keep, fill=-2.0, exact=jnp.isfinite(a)))(x)
+    y_r, c_r = ops.gate(x, fill=-2.0)
+    assert np.asarray(y).tobytes() == np.asarray(y_r).tobytes() and np.array_equal(c, c_r)
+    other = jnp.asarray(np.random.default_rng(7).random((6, 10)) < 0.5)
+    y_o, c_o = ops.gate_with_keep(x, keep, exact=other)
+    want = np.where(np.asarray(other), np.asarray(x, np.float32), 0.0)
+    assert np.array_equal(np.asarray(y_o, np.float32), want, equal_nan=True)
+    assert np.array_equal(c_o, (~np.asarray(other)).sum(-1))
+    g = jax.grad(lambda a: jnp.sum(ops.gate_with_keep(a, keep, exact=other)[0].astype(jnp.float32)))(x)
+    assert np.array_equal(np.asarray(g, np.float32), np.asarray(keep, np.float32))
+    with pytest.raises(TypeError, match="exact has dtype int32; expected bool"):
+        ops.gate_with_keep(x, keep, exact=other.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"exact has shape \(6, 10, 2\)"):
+        ops.gate_with_keep(x, keep, exact=jnp.ones((6, 10, 2), bool))
+
+
 @pytest.mark.parametrize("shape", RAGGED_SHAPES)
 def test_gate_with_keep_any_shape_under_jit_grad_and_vmap(shape):
     """``gate_with_keep`` for every ragged shape (rank 0, zero-size), jitted: the forward is the
-    gate's, the gradient the mask's; batched by vmap as unbatched; an impl it does not know is
-    refused in its own name."""
+    gate's (with and without its exact mask), the gradient the mask's; batched by vmap as
+    unbatched; an impl it does not know is refused in its own name."""
     rng = np.random.default_rng(3)
     x = _poisoned(rng, shape, jnp.bfloat16)
     keep = jnp.asarray(rng.random(shape) < 0.5)
-    y, c = jax.jit(lambda a, k: ops.gate_with_keep(a, k, fill=2.0))(x, keep)
     y_r, c_r = ops.gate(x, fill=2.0)
-    assert np.asarray(y).tobytes() == np.asarray(y_r).tobytes() and np.array_equal(c, c_r)
+    for exact in (None, jnp.isfinite(x)):
+        y, c = jax.jit(lambda a, k, e: ops.gate_with_keep(a, k, fill=2.0, exact=e))(x, keep, exact)
+        assert np.asarray(y).tobytes() == np.asarray(y_r).tobytes() and np.array_equal(c, c_r)
     g = jax.jit(jax.grad(lambda a: jnp.sum(ops.gate_with_keep(a, keep)[0].astype(jnp.float32))))(x)
     assert np.array_equal(np.asarray(g, np.float32), np.asarray(keep, np.float32))
     if len(shape) >= 2:

@@ -255,10 +255,11 @@ def _norm_case(style, dtype, seed=3):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("style", ["flax", "equinox", "llama"])
 def test_rms_norm_gate_gradient_mask_from_the_input_matches_the_outputs(style, dtype):
-    """The gated norm's gradient mask comes from x and the scale (``layers.norm._kept``: no second
-    pass over x in a rematerialised backward), not from its output; on rows with an Inf, a NaN,
-    squares past f32's range and zeros, values, counts and the gradients of x and the scale are
-    bit for bit those of the gate's own mask (a limit past every finite output: the general path)."""
+    """The gated norm's masks come from x, the scale and the row's statistic
+    (``layers.norm._columns_ok``: no second pass over x in a rematerialised backward, no select
+    reading y again in the forward), not from its output; on rows with an Inf, a NaN, squares past
+    f32's range and zeros, values, counts and the gradients of x and the scale are bit for bit
+    those of the gate's own mask (a limit past every finite output: the general path)."""
     x, scale = _norm_case(style, dtype)
     cot = jnp.asarray(np.random.default_rng(4).normal(size=x.shape), dtype)
 
@@ -320,6 +321,27 @@ def test_rms_norm_gate_mask_blocks_a_scale_column_past_its_range():
     assert float(ds[5]) == 0.0 and np.isfinite(np.asarray(ds_g[5]))
     others = np.arange(40) != 5
     np.testing.assert_allclose(np.asarray(ds)[others], np.asarray(ds_g)[others], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("style", ["flax", "equinox", "llama"])
+def test_rms_norm_gate_forward_exact_where_a_scale_column_overflows(style):
+    """A scale entry large enough that its column's outputs overflow on some rows (Inf, or 0·Inf):
+    there the
+    forward's mask falls back to the outputs' own (isfinite(y)), so values and counts are the
+    general path's bit for bit and the overflowed values are gated."""
+    x, scale = _norm_case(style, jnp.float32)
+    scale = scale.at[5].set(3e38)
+
+    def run(policy):
+        norm = lambda r: L.rms_norm(r, scale, eps=1e-5, style=style, policy=policy)
+        y, rep = jax.vmap(norm)(x) if style == "equinox" else norm(x)
+        return np.asarray(y), int(jnp.sum(rep.nonfinite_gated))
+
+    (y, n), (y_g, n_g) = run(pl.FaultPolicy()), run(GENERAL)
+    assert y.tobytes() == y_g.tobytes() and n == n_g
+    ungated, _ = run(pl.FaultPolicy(gate=False))
+    overflowed = ~np.isfinite(ungated[:, 5]) & np.isfinite(np.asarray(x)[:, 5])
+    assert overflowed.any() and (y[overflowed, 5] == 0).all()
 
 
 def test_llama_mlp_matches_swiglu_reference():

@@ -64,7 +64,8 @@ def rms_norm(
             out_dtype = x.dtype
             xf = x.astype(_stats_dtype(x.dtype))
             if style == "equinox":
-                y = lax.rsqrt(jnp.mean(xf**2, axis=-1, keepdims=True) + eps) * xf
+                var = jnp.mean(xf**2, axis=-1, keepdims=True)
+                y = lax.rsqrt(var + eps) * xf
                 if scale is not None:
                     s_used = scale.astype(xf.dtype)
                     y = s_used * y
@@ -79,8 +80,15 @@ def rms_norm(
                     y = jnp.reshape(scale, (1,) * (x.ndim - 1) + (-1,)).astype(out_dtype) * y
         report = FaultReport.zeros()
         if policy.gate and policy.gate_limit is None and out_dtype in _WIDE and eps > 0 and bias is None:
-            keep = _kept(x_in, s_used, eps, style)
-            y, counts = gate_with_keep(y, keep, fill=policy.gate_fill)
+            cols = _columns_ok(s_used, x_in.shape[-1], x_in.dtype, eps, style)
+            cols = cols.reshape((1,) * (x_in.ndim - 1) + (-1,))
+            finite = jnp.isfinite(x_in)
+            # The forward's mask, exactly isfinite(y) (``_columns_ok`` says why): a NaN row's
+            # outputs are all NaN; elsewhere y is finite where x is, in the columns in range.
+            # From x and the row's statistic, XLA fuses the select into the norm's own fusion
+            # instead of a kernel that reads y again (gate_with_keep's ``exact``).
+            exact = jnp.where(cols, finite & ~jnp.isnan(var), jnp.isfinite(y))
+            y, counts = gate_with_keep(y, finite & cols, fill=policy.gate_fill, exact=exact)
             report = FaultReport(nonfinite_gated=jnp.sum(counts, dtype=jnp.int32))
         elif policy.gate:
             y, counts = gate(y, fill=policy.gate_fill, limit=policy.gate_limit)
@@ -93,11 +101,11 @@ def rms_norm(
 _WIDE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
 
 
-def _kept(x, scale, eps: float, style: str) -> jax.Array:
-    """Where the gate keeps the norm's output (it is finite), from x and the scale alone, not
-    the output: what the gate's gradient passes (``ops.gate_with_keep``). Computed from the output
-    itself, a backward pass that rematerialises the norm needs the rows' statistics first, a second
-    pass over x, where this mask is a sibling of their reduction.
+def _columns_ok(scale, e: int, dtype, eps: float, style: str) -> jax.Array:
+    """Bool (E,): the columns where the norm's output is finite wherever x is finite, from the scale
+    alone. The gate's gradient passes ``isfinite(x) & ok`` (``ops.gate_with_keep``'s ``keep``):
+    computed from the output itself, a backward pass that rematerialises the norm needs the rows'
+    statistics first, a second pass over x, where this mask is a sibling of their reduction.
 
     A row of finite x has |x_j|·rsqrt(mean(x²) + eps) <= sqrt(E) (its mean square is at least
     x_j²/E; f32's rounding of the sum is far inside the 1/64 margin), so its outputs are finite where
@@ -108,12 +116,14 @@ def _kept(x, scale, eps: float, style: str) -> jax.Array:
     gradient. A row whose mean square is Inf (an Inf in x, or
     squares past f32's range) scales by rsqrt(Inf) = 0: its finite values become 0·s, kept where
     the column is, and its Infs NaN, which isfinite(x) drops. A row with a NaN is NaN throughout,
-    so the gate keeps none of it, where this mask passes its finite columns: its input gradient and
-    the scale's are NaN either way (the norm's backward multiplies by the row's NaN statistic, and
-    the scale's gradient by its NaN outputs), so they agree with the gate's own mask bit for bit
-    (``tests/test_layers.py``). A bias's gradient would not (it sums the cotangents alone): a norm
-    with a bias (equinox's ``use_bias``) keeps the gate's own mask."""
-    e, out_dtype = x.shape[-1], jnp.dtype(x.dtype)  # every style's output has x's dtype (flax's promoted)
+    so the gate keeps none of it, where the gradient's mask passes its finite columns: its input
+    gradient and the scale's are NaN either way (the norm's backward multiplies by the row's NaN
+    statistic, and the scale's gradient by its NaN outputs), so they agree with the gate's own mask
+    bit for bit (``tests/test_layers.py``). A bias's gradient would not (it sums the cotangents
+    alone): a norm with a bias (equinox's ``use_bias``) keeps the gate's own mask. The forward's
+    mask adds the NaN rows (``~isnan(var)``), exact in these columns, and ``isfinite(y)`` in the
+    others."""
+    out_dtype = jnp.dtype(dtype)  # every style's output has x's dtype (flax's promoted)
     wide = jnp.float64 if jnp.float64 in (out_dtype, getattr(scale, "dtype", None)) else jnp.float32
     ok = jnp.ones((e,), jnp.bool_)
     room = jnp.full((e,), math.sqrt(e) * (1.0 + 2.0**-6), wide)  # |s|·sqrt(E)(1 + 2^-6)
@@ -123,8 +133,7 @@ def _kept(x, scale, eps: float, style: str) -> jax.Array:
         room = room * s
         if style == "flax":
             ok = ok & (s <= float(jnp.finfo(scale.dtype).max) / 2.0 * math.sqrt(eps))
-    ok = ok & (room <= float(jnp.finfo(out_dtype).max) / 2.0)
-    return jnp.isfinite(x) & ok.reshape((1,) * (x.ndim - 1) + (e,))
+    return ok & (room <= float(jnp.finfo(out_dtype).max) / 2.0)
 
 
 def _stats_dtype(dtype):
