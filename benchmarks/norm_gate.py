@@ -14,11 +14,14 @@ style, as the Llama-3 model has it):
   the general path, which a finite limit takes; no finite output of these inputs reaches it);
 * ``off``: no gate (``FaultPolicy(gate=False)``), the floor.
 
-Each is timed three ways (``pass``, ``remat``): the forward alone, its output written as a
-following GEMM reads it (``forward``); the value and gradient of a sum against a fixed cotangent,
-with respect to x and the scale (``value_and_grad``), plain and under ``jax.checkpoint`` (the
-backward recomputes the forward, as the model's blocks do). Device time (10 calls in one jitted
-loop, ``_harness.device_time``), the variants alternating within each of ``--rounds`` rounds; the
+Each is timed three ways (``pass``, ``remat``): the forward alone, its output written whole as
+the GEMM after a norm reads it (``forward``: the norm applied to its own output 50 times in one
+jitted loop, the gate counts summed, ``_harness.carried_time``); the value and gradient of a sum
+against a fixed cotangent, with respect to x and the scale (``value_and_grad``), plain and under
+``jax.checkpoint`` (the backward recomputes the forward, as the model's blocks do: device time of
+10 calls in one jitted loop, ``_harness.device_time``; its fold reads one element of an output,
+which would let XLA shrink a forward to one row). The variants alternate within each of
+``--rounds`` rounds; the
 rows give each one's median, its ratio to ``off`` and the fusions in its compiled program (XLA's
 kernels, about; ``--hlo DIR`` writes the programs, ``<variant>[-forward|-remat].txt``, to read
 which). Results go to
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 from pimlayers import FaultPolicy
 from pimlayers.layers import rms_norm
 
-from ._harness import command_line, device_time, write_result
+from ._harness import carried_time, command_line, device_time, write_result
 
 VARIANTS = {
     "input_mask": FaultPolicy(),
@@ -52,22 +55,35 @@ VARIANTS = {
 KINDS = (("forward", False, "-forward"), ("value_and_grad", False, ""), ("value_and_grad", True, "-remat"))
 
 
-def norm_step(policy: FaultPolicy, cotangent: jax.Array, remat: bool, forward: bool = False):
-    """The jitted value and gradient (x, scale) of sum(rms_norm(x, scale) * cotangent); with
-    ``forward``, the norm's output and gate count alone."""
-
+def _norm(policy: FaultPolicy):
     def norm(x, scale):
         y, report = rms_norm(x, scale, eps=1e-5, dtype=x.dtype, style="llama", policy=policy)
         return y, report.nonfinite_gated
 
-    if forward:
-        return jax.jit(norm)
+    return norm
+
+
+def norm_step(policy: FaultPolicy, cotangent: jax.Array, remat: bool):
+    """The jitted value and gradient (x, scale) of sum(rms_norm(x, scale) * cotangent)."""
+    norm = _norm(policy)
 
     def f(x, scale):
         y, gated = norm(x, scale)
         return jnp.sum(y.astype(jnp.float32) * cotangent.astype(jnp.float32)), gated
 
     return jax.jit(jax.value_and_grad(jax.checkpoint(f) if remat else f, argnums=(0, 1), has_aux=True))
+
+
+def norm_forward(policy: FaultPolicy, scale: jax.Array):
+    """``(x, gated) -> (rms_norm(x, scale), gated + its gate count)``: the step `carried_time`
+    repeats, every byte of the output written."""
+    norm = _norm(policy)
+
+    def step(carry):
+        y, gated = norm(carry[0], scale)
+        return y, carry[1] + gated
+
+    return step
 
 
 def fusions(compiled_text: str) -> int:
@@ -84,8 +100,13 @@ def run(rows: int, features: int, dtype, rounds: int, hlo_dir: pathlib.Path | No
     out = []
     for pass_, remat, suffix in KINDS:
         forward = pass_ == "forward"
-        steps = {name: norm_step(p, cotangent, remat, forward) for name, p in VARIANTS.items()}
-        texts = {name: fn.lower(x, scale).compile().as_text() for name, fn in steps.items()}
+        if forward:
+            steps = {name: norm_forward(p, scale) for name, p in VARIANTS.items()}
+            programs = {name: jax.jit(fn).lower((x, jnp.int32(0))) for name, fn in steps.items()}
+        else:
+            steps = {name: norm_step(p, cotangent, remat) for name, p in VARIANTS.items()}
+            programs = {name: fn.lower(x, scale) for name, fn in steps.items()}
+        texts = {name: program.compile().as_text() for name, program in programs.items()}
         kernels = {name: fusions(text) for name, text in texts.items()}
         if hlo_dir is not None:
             hlo_dir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +115,10 @@ def run(rows: int, features: int, dtype, rounds: int, hlo_dir: pathlib.Path | No
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, fn in steps.items():
-                times[name].append(device_time(fn, x, scale))
+                if forward:
+                    times[name].append(carried_time(fn, (x, jnp.int32(0)), n=50, repeats=3))
+                else:
+                    times[name].append(device_time(fn, x, scale))
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         for name in steps:
             out.append(
