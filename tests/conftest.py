@@ -70,8 +70,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def cpu_mesh():
+    """A mesh of the CPU devices, the test run with the CPU as the default device: on a machine with
+    a GPU its references (computed outside the mesh) and its kernel choices (``ops.hopper``) are
+    the CPU's too."""
     devices = jax.devices("cpu")
-    return jax.make_mesh((len(devices),), ("d",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.default_device(devices[0]):
+        auto = (jax.sharding.AxisType.Auto,)
+        yield jax.make_mesh((len(devices),), ("d",), devices=devices, axis_types=auto)
 
 
 @pytest.fixture

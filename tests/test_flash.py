@@ -452,6 +452,52 @@ def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(mo
     assert mosaic >= 6 and loops == 2
 
 
+def test_the_hopper_kernels_type_check_inside_shard_map(monkeypatch, cpu_mesh):
+    """Inside shard_map with JAX's varying-axes checks on (the default), the Hopper kernels' paths
+    trace and lower for a GPU (here without one): the attention core's forward and backward (its
+    flash kernels, bounds and device redo: 6 Mosaic GPU and 5 Triton launches) and the protected
+    GEMM's device redo (``recompute_kernel``). Each kernel's results are typed to vary over the mesh
+    axes its operands do (``ops._vma``); before, Pallas refused their untyped results there
+    ("manual_axis_type ... must not be None") and the backward's cotangents came back invariant
+    (a custom VJP type error)."""
+    import collections
+    import re
+
+    from jax.sharding import PartitionSpec as P
+
+    from pimlayers.layers import attention as A
+    from pimlayers.ops import _protected_matmul as pm
+
+    for mod in (ops._flash, ops._flash_bwd, ops._fused_gemm, A, pm):
+        monkeypatch.setattr(mod, "hopper", lambda: True)
+    n = cpu_mesh.devices.size
+
+    def lowered(fn, *args):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
+        return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"]
+
+    q, k, v = _qkv(b=n, d=128)
+    attn = lambda q, k, v: jnp.sum(
+        L.attention_core(q, k, v, policy=POLICY, flash=True)[0].astype(jnp.float32)
+    )
+    sm = jax.shard_map(
+        lambda *a: jax.lax.psum(attn(*a), "d"), mesh=cpu_mesh, in_specs=(P("d"),) * 3, out_specs=P()
+    )
+    assert lowered(jax.grad(sm, argnums=(0, 1, 2)), q, k, v) == (6, 5)
+
+    x, w = jnp.ones((n * 256, 256), jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)
+    policy = FaultPolicy(recompute_kernel=True)
+    gemm = lambda x, w: jnp.sum(ops.protected_matmul(x, w, policy=policy)[0].astype(jnp.float32))
+    sm = jax.shard_map(
+        lambda *a: jax.lax.psum(gemm(*a), "d"), mesh=cpu_mesh, in_specs=(P("d"), P()), out_specs=P()
+    )
+    # As many redo launches as the unsplit GEMM's (the forward's and the input gradient's).
+    assert (
+        lowered(jax.grad(sm, argnums=(0, 1)), x, w) == lowered(jax.grad(gemm, argnums=(0, 1)), x, w) == (0, 2)
+    )
+
+
 def test_detect_mode_reports_without_recomputing():
     q, k, v = _qkv(seed=6)
     f = GemmFaults(*(jnp.array([x]) for x in (37, 5, 30)), jnp.array([True]))

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from ._redo_kernel import _device_runs_it, load_a_tile, plt
+from ._vma import typed_like, vary_as
 
 __all__ = [
     "MAX_COLUMNS",
@@ -204,9 +205,14 @@ def _call(x, pc, pm, *, a_t: bool, interpret: bool = False, bm: int = _BM, split
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=warps, num_stages=3))
     yc, ym = pl.pallas_call(
         kern,
-        out_shape=(
-            jax.ShapeDtypeStruct((slices, g, r, wc), jnp.float32),
-            jax.ShapeDtypeStruct((slices, g, r, wm), jnp.float32),
+        out_shape=typed_like(
+            (
+                jax.ShapeDtypeStruct((slices, g, r, wc), jnp.float32),
+                jax.ShapeDtypeStruct((slices, g, r, wm), jnp.float32),
+            ),
+            x,
+            pc,
+            pm,
         ),
         grid=(g, pl.cdiv(r, bm), slices),
         in_specs=[any_spec] * 3,
@@ -215,6 +221,7 @@ def _call(x, pc, pm, *, a_t: bool, interpret: bool = False, bm: int = _BM, split
         name="pimlayers_checks_kernel",
         **params,
     )(x, pc, pm)
+    yc, ym = vary_as((yc, ym), x, pc, pm)  # inside shard_map: ops._vma
     return yc.sum(0), ym.sum(0)
 
 

@@ -63,6 +63,7 @@ from jaxtyping import Array, Float, Int32
 
 from ._abft import _bf16_head
 from ._fused_gemm import hopper
+from ._vma import typed_like, vary_as
 
 __all__ = [
     "FlashChecks",
@@ -656,15 +657,17 @@ def _kernel_call(
         mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg")
         pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(q, k, v, *extras, *redo)
         return None
-    return plgpu.kernel(
+    operands = (q, k, v, *extras)
+    out = plgpu.kernel(
         entry,
-        out_type=[jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * (n_out - 1),
+        out_type=typed_like([jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * (n_out - 1), *operands),
         grid=grid,
         grid_names=names,
         num_threads=3,
         thread_name="wg",
         compiler_params=params,
-    )(q, k, v, *extras)
+    )(*operands)
+    return vary_as(out, *operands)  # inside shard_map: the results vary as the operands do (ops._vma)
 
 
 def _check_inputs(q, k, v, causal: bool, cfg: FlashConfig) -> None:

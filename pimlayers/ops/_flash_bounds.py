@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ._flash import _split
+from ._vma import typed_like, vary_alike, vary_as
 
 
 def _rows(n: int, cols: int, *values):
@@ -79,6 +80,7 @@ def flash_bounds_kernel(k, v, *, bk: int, cs: int, c_qk: float, c_pv: float, int
     maxima_spec = pl.BlockSpec((sq, sq, 2, d), lambda i, h, j: (i, h, 0, 0))
     # One zero buffer for both maxima: one fill before the kernels, not two.
     zeros = jnp.zeros((b, kvh, 2, d), jnp.float32)
+    _, zeros = vary_alike(k, zeros)  # inside shard_map: the maxima vary as k does (ops._vma)
     ks, vs, maxima = pl.pallas_call(
         functools.partial(_blocks_kernel, cs=cs),
         grid=grid,
@@ -88,16 +90,21 @@ def flash_bounds_kernel(k, v, *, bk: int, cs: int, c_qk: float, c_pv: float, int
             pl.BlockSpec((sq, sq, sq, cs, bk), lambda i, h, j: (i, h, j, 0, 0)),
             maxima_spec,
         ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, nb, cs, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((b, kvh, nb, cs, bk), jnp.bfloat16),
-            jax.ShapeDtypeStruct((b, kvh, 2, d), jnp.float32),
-        ],
+        out_shape=typed_like(
+            [
+                jax.ShapeDtypeStruct((b, kvh, nb, cs, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((b, kvh, nb, cs, bk), jnp.bfloat16),
+                jax.ShapeDtypeStruct((b, kvh, 2, d), jnp.float32),
+            ],
+            k,
+            v,
+        ),
         input_output_aliases={2: 2},
         interpret=interpret,
         name="pimlayers_flash_bounds_blocks",
         **params,
     )(k, v, zeros)
+    ks, vs, maxima = vary_as((ks, vs, maxima), k, v)  # inside shard_map: ops._vma
     km, vs = pl.pallas_call(
         functools.partial(_finish_kernel, cs=cs, c_qk=c_qk, c_pv=c_pv),
         grid=grid,
@@ -107,13 +114,17 @@ def flash_bounds_kernel(k, v, *, bk: int, cs: int, c_qk: float, c_pv: float, int
             pl.BlockSpec((sq, sq, cs, d), lambda i, h, j: (i, h, 0, 0)),
             pl.BlockSpec((sq, sq, sq, cs, bk), lambda i, h, j: (i, h, j, 0, 0)),
         ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, cs, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((b, kvh, nb, cs, bk), jnp.bfloat16),
-        ],
+        out_shape=typed_like(
+            [
+                jax.ShapeDtypeStruct((b, kvh, cs, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((b, kvh, nb, cs, bk), jnp.bfloat16),
+            ],
+            maxima,
+            vs,
+        ),
         input_output_aliases={1: 1},
         interpret=interpret,
         name="pimlayers_flash_bounds_finish",
         **params,
     )(maxima, vs)
-    return ks, vs, km
+    return vary_as((ks, vs, km), k, v)

@@ -95,6 +95,7 @@ from ._flash import (
     bounds_kernel,
 )
 from ._fused_gemm import hopper
+from ._vma import typed_like, vary_as
 
 __all__ = [
     "FlashBwdChecks",
@@ -611,9 +612,10 @@ def _dq_call(
 
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
-    out_type = [jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * n_t
     args = (q, k, v, do, *rows, *tiles, *flat_flips)
-    return _launch(plgpu, entry, out_type, (h, t // (2 * bq), b), "q_seq", redo)(*args)
+    out_type = typed_like([jax.ShapeDtypeStruct(q.shape, dtype)] + [row] * n_t, *args)
+    out = _launch(plgpu, entry, out_type, (h, t // (2 * bq), b), "q_seq", redo)(*args)
+    return None if redo is not None else vary_as(out, *args)  # inside shard_map: ops._vma
 
 
 def _check_inputs(q, k, v, out, lse, do, causal: bool, cfg: FlashBwdConfig, name: str) -> None:

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from ._flash import _split
 from ._flash_bounds import _rows
+from ._vma import typed_like, vary_as
 
 __all__ = ["flash_bwd_bounds_kernel"]
 
@@ -114,9 +115,15 @@ def flash_bwd_bounds_kernel(
     sq = pl.Squeezed() if hasattr(pl, "Squeezed") else None
     f32, dt = jnp.float32, q.dtype
 
-    def call(*args, warps: int = 4, **kw):
+    def call(*args, out_shape, warps: int = 4, **kw):
         params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1))
-        return pl.pallas_call(*args, interpret=interpret, **params, **kw)
+
+        def launch(*operands):  # the results vary over the mesh axes the operands do (ops._vma)
+            out = typed_like(out_shape, *operands)
+            results = pl.pallas_call(*args, out_shape=out, interpret=interpret, **params, **kw)(*operands)
+            return vary_as(results, *operands)
+
+        return launch
 
     # 1. keys: (batch, KV head, key block).
     key_spec = pl.BlockSpec((sq, bk, sq, d), lambda i, hh, j: (i, j, hh, 0))

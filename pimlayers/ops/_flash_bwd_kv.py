@@ -43,6 +43,7 @@ from jax import lax
 
 from ._flash import CS, _flip, _load, _ratio, _stream, _tile_sum
 from ._flash_bwd import _K_GEMMS, _QM_ROW, _hilo, _launch, _own_inputs, _scoped, _zeros
+from ._vma import typed_like, vary_alike, vary_as
 
 __all__ = ["dkv_call"]
 
@@ -348,8 +349,8 @@ def dkv_call(
     row = jax.ShapeDtypeStruct((b, kvh, s), jnp.float32)
     flat_flips = [a for n in names for a in flips[n]]
     n_out = 4 if checks else 0  # ratio rows: scores_t, dp_t, dv, dk
-    out_type = [kv_shape, kv_shape] + [row] * n_out
     args = (q, k, v, do, lse2, delta, *rows, *tiles, *flat_flips)
+    out_type = typed_like([kv_shape, kv_shape] + [row] * n_out, *args)  # inside shard_map: ops._vma
     if redo is not None:
         if fused:
             raise NotImplementedError("pimlayers: the fused backward kernel has no device redo")
@@ -357,20 +358,20 @@ def dkv_call(
         return None
     if not fused:
         launch = _launch(plgpu, entry, out_type, (kvh, s // (2 * bk), b), "kv_seq")
-        dk, dv, *rk = launch(*args)
+        dk, dv, *rk = vary_as(launch(*args), *args)  # inside shard_map: ops._vma
         return None, dk, dv, rk, None
     # dq and the dq check's two rows are accumulated by reduce-adds: zeroed buffers the kernel
     # updates in place (mutable refs are aliased in and out of a Pallas kernel).
-    dq_acc = jax.new_ref(jnp.zeros((b, t, h, d), jnp.float32))
-    cq = jax.new_ref(jnp.zeros((b, h, t), jnp.float32))
-    mq = jax.new_ref(jnp.zeros((b, h, t), jnp.float32))
+    zeros = (jnp.zeros((b, t, h, d), jnp.float32),) + (jnp.zeros((b, h, t), jnp.float32),) * 2
+    _, zeros = vary_alike(args, zeros)  # inside shard_map they vary as the operands do (ops._vma)
+    dq_acc, cq, mq = (jax.new_ref(z) for z in zeros)
     mesh = plgpu.Mesh(
         grid=(kvh, s // (2 * bk), b), grid_names=("heads", "kv_seq", "batch"), num_threads=3, thread_name="wg"
     )
     params = plgpu.CompilerParams(approx_math=True)
     launch = pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params)
-    dk, dv, *rk = launch(*args, dq_acc, cq, mq)
-    dq_f = dq_acc[...]
+    dk, dv, *rk = vary_as(launch(*args, dq_acc, cq, mq), *args)
+    dq_f = vary_as(dq_acc[...], *args)
     r_dq = None
     if "dq" in flips:  # (B, H, T) sites on the (B, T, H, D) accumulator
         bit, col = (x.transpose(0, 2, 1) for x in flips["dq"])

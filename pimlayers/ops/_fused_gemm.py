@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, BFloat16, Float
 
+from ._vma import typed_like, vary_as
+
 __all__ = [
     "CS",
     "FusedConfig",
@@ -86,9 +88,12 @@ class FusedConfig:
 
 
 def hopper() -> bool:
-    """Whether JAX's first device is a Hopper GPU (sm_90), where the fused kernel runs."""
+    """Whether the device JAX computes on is a Hopper GPU (sm_90), where the kernels run: the
+    default device where one is set (``jax.default_device``, a device or a platform's name), else
+    the first. A program placed on the CPU of a machine with a GPU takes the XLA paths."""
     try:
-        d = jax.devices()[0]
+        d = jax.config.jax_default_device
+        d = jax.devices()[0] if d is None else jax.devices(d)[0] if isinstance(d, str) else d
     except RuntimeError:
         return False
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
@@ -415,9 +420,11 @@ def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0, b_t: bool = 
     sms = _sm_count()
     kernel = plgpu.kernel(
         body,
-        out_type=(
-            jax.ShapeDtypeStruct((m, n), dtype),
-            jax.ShapeDtypeStruct((rows_out, nb, m), jnp.float32),
+        out_type=typed_like(  # inside shard_map: the results vary as the operands do (ops._vma)
+            (jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((rows_out, nb, m), jnp.float32)),
+            a,
+            b,
+            *([tiles] if checked else []),
         ),
         grid=(sms,),
         grid_names=("sm",),
@@ -428,4 +435,5 @@ def _fused_call(a, b, cfg: FusedConfig, tiles=None, terms: int = 0, b_t: bool = 
             plgpu.SMEM((2, rows_out, TILE), jnp.float32),
         ),
     )
-    return kernel(a, b, tiles) if checked else kernel(a, b)
+    operands = (a, b, tiles) if checked else (a, b)
+    return vary_as(kernel(*operands), *operands)  # inside shard_map: ops._vma

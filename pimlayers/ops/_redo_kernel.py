@@ -60,6 +60,7 @@ from ._fused_check import sums_flags
 from ._redo_sharding import REDO_STATS as _REDO_STATS
 from ._redo_sharding import STATS as _STATS
 from ._redo_sharding import partitioned, tally_parts
+from ._vma import typed_like, vary_as
 
 __all__ = ["redo_detected", "redo_kernel_applies", "redo_kernel_chosen", "redo_kernel_wanted"]
 
@@ -312,9 +313,10 @@ def _redo_call(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else dict(compiler_params=plt.CompilerParams(num_warps=8, num_stages=2))
     grid = (g, pl.cdiv(r, _BM), pl.cdiv(nb, bpp))
-    return pl.pallas_call(
+    operands = (a, b, flags, counts, c, mag, y)
+    out = pl.pallas_call(
         kern,
-        out_shape=(y, jax.ShapeDtypeStruct((g, r, grid[2], _STATS), jnp.int32)),
+        out_shape=(y, typed_like(jax.ShapeDtypeStruct((g, r, grid[2], _STATS), jnp.int32), *operands)),
         grid=grid,
         in_specs=[any_spec] * 7,
         out_specs=(any_spec, any_spec),
@@ -322,7 +324,8 @@ def _redo_call(
         interpret=interpret,
         name="pimlayers_redo_detected",
         **params,
-    )(a, b, flags, counts, c, mag, y)
+    )(*operands)
+    return vary_as(out, *operands)  # inside shard_map: the results vary as the operands do (ops._vma)
 
 
 def redo_detected(

@@ -11,6 +11,10 @@ moves), so the gradient of a replicated weight comes back summed over the device
 ``x @ w``. Integer operands (fault sites) keep their type: their cotangents are float0 zeros formed
 from them (``zero_cotangent``), so those match whatever they are.
 
+A Pallas kernel's results are typed by the caller (``jax.ShapeDtypeStruct``): inside ``shard_map``
+with the checks on JAX refuses them unless they say which mesh axes they vary over
+(``manual_axis_type``). ``typed_like`` gives them the axes their operands vary over.
+
 Outside ``shard_map`` nothing varies and nothing is cast. The varying axes are read from JAX's
 abstract values (``jax.typeof(x).mat.varying`` in jax 0.10; ``.vma`` in older ones); where neither
 is there, or ``jax.lax.pcast`` is missing, nothing is cast and a gradient inside ``shard_map`` with
@@ -23,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["vary_alike", "zero_cotangent"]
+__all__ = ["typed_like", "vary_alike", "vary_as", "zero_cotangent"]
 
 
 def _varying(x) -> frozenset:
@@ -47,15 +51,27 @@ def vary_alike(*trees):
     over (module docstring); unchanged outside ``shard_map``."""
     leaves = [x for x in jax.tree.leaves(trees) if hasattr(x, "dtype")]
     axes = frozenset().union(*(_varying(x) for x in leaves))
+    return jax.tree.map(lambda x: _cast(x, axes) if _is_float(x) else x, trees)
+
+
+def vary_as(results, *operands):
+    """``results`` (a kernel's, any pytree of arrays) cast to vary over the mesh axes any of
+    ``operands`` varies over. A Pallas kernel's results are typed as its ``out_shape`` says, and
+    where JAX traces a custom VJP's backward with the varying-axes checks off (their transposition)
+    it drops what ``typed_like`` wrote there: the results come back invariant, and the backward's
+    cotangents then do not match their operands' types. Unchanged outside ``shard_map``."""
+    leaves = [x for x in jax.tree.leaves(operands) if hasattr(x, "dtype")]
+    axes = frozenset().union(*(_varying(x) for x in leaves))
+    return jax.tree.map(lambda x: _cast(x, axes), results)
+
+
+def _cast(x, axes: frozenset):
+    """x cast to vary over ``axes`` as well (a change of type; no data moves)."""
     pcast = getattr(lax, "pcast", None)
-    if not axes or pcast is None:
-        return trees
-
-    def cast(x):
-        missing = axes - _varying(x) if _is_float(x) else frozenset()
-        return pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-    return jax.tree.map(cast, trees)
+    missing = axes - _varying(x) if hasattr(x, "dtype") else frozenset()
+    if not missing or pcast is None:
+        return x
+    return pcast(x, tuple(sorted(missing)), to="varying")
 
 
 def zero_cotangent(x):
@@ -66,3 +82,24 @@ def zero_cotangent(x):
     if _is_float(x):
         return jnp.zeros_like(x)
     return lax.full_like(x, 0, jax.dtypes.float0)
+
+
+def typed_like(out, *operands):
+    """``out`` (a pytree of ``jax.ShapeDtypeStruct``, a kernel's results) typed to vary over the mesh
+    axes any of ``operands`` varies over: a kernel's output row depends on its operands' rows, so it
+    varies where they do. Unchanged outside ``shard_map`` (or on a jax whose abstract values carry
+    no ``mat``)."""
+    leaves = [x for x in jax.tree.leaves(operands) if hasattr(x, "dtype")]
+    axes = frozenset().union(*(_varying(x) for x in leaves))
+    if not axes:
+        return out
+    mat = getattr(jax.typeof(leaves[0]), "mat", None)
+    if mat is None:
+        return out
+    mat = mat.update(varying=axes)
+    is_struct = lambda a: isinstance(a, jax.ShapeDtypeStruct)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=mat) if is_struct(a) else a,
+        out,
+        is_leaf=is_struct,
+    )
