@@ -137,13 +137,15 @@ def test_attention_core_gradients_match_the_materialised_paths(hopper, t):
 
 
 def test_attention_core_kernels_inside_shard_map(hopper):
-    """On a mesh of the GPU, inside shard_map with JAX's varying-axes checks on (the default): the
-    attention core takes the kernels (forward, device redo, backward), a fault injected there is
-    corrected, and the output and gradients are bit for bit the unsplit call's (the same kernels on
-    the same rows); the protected GEMM's device redo (``recompute_kernel``) likewise."""
+    """On a mesh of the GPU, inside shard_map with JAX's varying-axes checks on (the default; the
+    rerun by the loop) and off (the device redo): the attention core takes the kernels, a fault
+    injected there is corrected, and the output and gradients are bit for bit the unsplit call's
+    (the same kernels on the same rows); the protected GEMM's device redo (``recompute_kernel``)
+    likewise."""
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1], axis_types=auto)
     b, t, h, kv, d = 2, 512, 8, 2, 128
     q, k, v = _qkv(b, t, h, kv, d, seed=6)
     g = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
@@ -153,27 +155,27 @@ def test_attention_core_kernels_inside_shard_map(hopper):
         out, r = L.attention_core(q, k, v, faults={"scores": fs})
         return jnp.sum(out.astype(jnp.float32) * g), (out, r.gemm_detected, r.gemm_uncorrectable)
 
-    split = jax.shard_map(
-        lambda *a: jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*a),
-        mesh=mesh,
-        in_specs=(P("d"),) * 3 + (P(),),
-        out_specs=P(),
-    )
-    assert "mosaic" in jax.jit(split).lower(q, k, v, fs).as_text().lower()
-    (_, (o1, det, unco)), g1 = jax.jit(split)(q, k, v, fs)
-    (_, (o2, _, _)), g2 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, fs)
-    assert (int(det), int(unco)) == (1, 0)
-    for a, c in zip((o1, *g1), (o2, *g2), strict=True):
-        assert np.asarray(a).tobytes() == np.asarray(c).tobytes()
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, (o2, _, _)), g2 = jax.jit(step)(q, k, v, fs)
+    for check_vma in (True, False):
+        split = jax.jit(
+            jax.shard_map(
+                step, mesh=mesh, in_specs=(P("d"),) * 3 + (P(),), out_specs=P(), check_vma=check_vma
+            )
+        )
+        assert "mosaic" in split.lower(q, k, v, fs).as_text().lower()
+        (_, (o1, det, unco)), g1 = split(q, k, v, fs)
+        assert (int(det), int(unco)) == (1, 0)
+        for a, c in zip((o1, *g1), (o2, *g2), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(c).tobytes(), check_vma
 
     x = jax.random.normal(jax.random.key(9), (512, 256)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(10), (256, 512)).astype(jnp.bfloat16)
     pol = FaultPolicy(recompute_kernel=True)
     gemm = lambda x, w: jnp.sum(jnp.sin(ops.protected_matmul(x, w, policy=pol)[0].astype(jnp.float32)))
-    sm = jax.shard_map(
-        jax.grad(gemm, argnums=(0, 1)), mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P())
-    )
-    for a, c in zip(jax.jit(sm)(x, w), jax.jit(jax.grad(gemm, argnums=(0, 1)))(x, w), strict=True):
+    grads = jax.grad(gemm, argnums=(0, 1))
+    sm = jax.shard_map(grads, mesh=mesh, in_specs=(P("d"), P()), out_specs=(P("d"), P()))
+    for a, c in zip(jax.jit(sm)(x, w), jax.jit(grads)(x, w), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(c).tobytes()
 
 

@@ -56,7 +56,7 @@ from ..ops._flash_bwd import bwd_gemms
 from ..ops._fused_gemm import hopper
 from ..ops._protected_matmul import _to_tap
 from ..ops._rows import row_parallel
-from ..ops._vma import vary_alike, zero_cotangent
+from ..ops._vma import varies, vary_alike, zero_cotangent
 from ._common import check_features, policy_or_default, stock
 from .linear import linear, linears
 from .rope import apply_rope
@@ -373,16 +373,21 @@ def _flash_forward(q, k, v, ff, scale: float, causal: bool, policy: FaultPolicy,
         return (out, lse), FlashChecks(*ch)
 
     groups = lambda ch: _failing([ch.scores, ch.out], b, kvh)
-    if policy.corrects and policy.recompute and _flash_redo_wanted(policy, reference):
+    if policy.corrects and policy.recompute and _flash_redo_wanted(policy, reference, q):
         return _flash_forward_redo(q, k, v, ff, groups, scale, causal, policy, reference)
     (out, lse), report = _run_checked(run, (q, k, v), ff, groups, 2 * b * kvh, policy, gate_first=True)
     return out, lse, report
 
 
-def _flash_redo_wanted(policy: FaultPolicy, reference: bool) -> bool:
-    """Whether the forward's detected rows are redone by the device kernel (``recompute_kernel``:
-    True, or None where the Hopper kernel runs) rather than by the loop; with ``reference`` (XLA
-    standing in for the kernels) the redo's XLA twin, for tests."""
+def _flash_redo_wanted(policy: FaultPolicy, reference: bool, q) -> bool:
+    """Whether the detected rows are redone by the device kernels (``recompute_kernel``: True, or
+    None where the Hopper kernels run) rather than by the loop; with ``reference`` (XLA standing in
+    for the kernels) the redo's XLA twin, for tests. Inside ``shard_map`` (q varies over a mesh
+    axis) the kernels' redo gives way to the loop: it updates the first pass's results through
+    refs, and jax 0.11.2 refuses a Mosaic GPU kernel refs that vary over mesh axes ("mpmd_map does
+    not support Refs with varying manual axis types")."""
+    if not reference and varies(q):
+        return False
     return policy.recompute_kernel if policy.recompute_kernel is not None else not reference
 
 
@@ -446,7 +451,7 @@ def _flash_backward(
         return (dq, dk, dv), dict(zip(gemms, ch, strict=True))
 
     groups = lambda ch: _failing(list(ch.values()), b, kvh)
-    if policy.corrects and policy.recompute and _flash_redo_wanted(policy, reference) and len(gemms) == 7:
+    if policy.corrects and policy.recompute and _flash_redo_wanted(policy, reference, q) and len(gemms) == 7:
         return _flash_backward_redo(q, k, v, out, lse, dout, scale, causal, policy, faults, reference)
     return _run_checked(run, (q, k, v, out, lse, dout), faults, groups, len(gemms) * b * kvh, policy)
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["typed_like", "vary_alike", "vary_as", "zero_cotangent"]
+__all__ = ["typed_like", "varies", "vary_alike", "vary_as", "zero_cotangent"]
 
 
 def _varying(x) -> frozenset:
@@ -40,6 +40,11 @@ def _varying(x) -> frozenset:
     if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def varies(*trees) -> bool:
+    """Whether any array in ``trees`` varies over a mesh axis (inside ``shard_map``, checks on)."""
+    return any(_varying(x) for x in jax.tree.leaves(trees) if hasattr(x, "dtype"))
 
 
 def _is_float(x) -> bool:
