@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HAS_CUDA
 from helpers import TraceCounter, flash_faults
 
 from benchmarks.bounds import _same_tiles
@@ -452,6 +453,7 @@ def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(mo
     assert mosaic >= 6 and loops == 2
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="lowers for a GPU without one; tests/test_gpu_flash.py runs it there")
 def test_the_hopper_kernels_type_check_inside_shard_map(monkeypatch, cpu_mesh):
     """Inside shard_map with JAX's varying-axes checks on (the default), the Hopper kernels' paths
     trace and lower for a GPU (here without one): the attention core's forward and backward (its

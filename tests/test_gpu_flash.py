@@ -157,12 +157,18 @@ def test_attention_core_kernels_inside_shard_map(hopper):
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
     (_, (o2, _, _)), g2 = jax.jit(step)(q, k, v, fs)
+
+    def local(*args):
+        (value, (out, det, unco)), grads = step(*args)
+        total = lambda x: jax.lax.psum(x, "d")
+        return (total(value), (out, total(det), total(unco))), grads
+
+    specs = ((P(), (P("d"), P(), P())), (P("d"),) * 3)
     for check_vma in (True, False):
-        split = jax.jit(
-            jax.shard_map(
-                step, mesh=mesh, in_specs=(P("d"),) * 3 + (P(),), out_specs=P(), check_vma=check_vma
-            )
+        sm = jax.shard_map(
+            local, mesh=mesh, in_specs=(P("d"),) * 3 + (P(),), out_specs=specs, check_vma=check_vma
         )
+        split = jax.jit(sm)
         assert "mosaic" in split.lower(q, k, v, fs).as_text().lower()
         (_, (o1, det, unco)), g1 = split(q, k, v, fs)
         assert (int(det), int(unco)) == (1, 0)
