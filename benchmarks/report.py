@@ -82,11 +82,14 @@ x read twice (`two_read_us`, XLA's c and mag GEMMs) or once (`one_read_us`), at 
 names. The step's measured check GEMMs are the profile's `check GEMMs` category.
 
 Reading the norm-gate table (`python -m benchmarks.norm_gate`): the Llama-3 model's RMSNorm (llama
-style, bf16, 8192 x 4096 by default), value and gradient, gated with the gradient's mask from its
-input and scale (`input_mask`, the default since 2026-12-07), with the gate's own mask from the
-output (`output_mask`) and ungated (`off`), plain and under `jax.checkpoint` (`remat`, as the model's
-blocks); device time, the median over rounds; `over_off_us` and `vs_off` against the ungated norm of
-the same kind; `fusions` counts the compiled program's fusions (XLA's kernels, about).
+style, bf16, 8192 x 4096 by default), gated with the masks from its input, scale and row statistic
+(`input_mask`, the default since 2026-12-07; until the s62 files only the gradient's mask came
+from the input, the forward's select read the output again), with the gate's own mask from the
+output (`output_mask`) and ungated (`off`). From the s62 files a `pass` column: `forward` (the norm
+applied to its own output in a loop, every byte written, wall time per call) and `value_and_grad`
+(device time), the latter plain and under `jax.checkpoint` (`remat`, as the model's blocks); the
+median over rounds; `over_off_us` and `vs_off` against the ungated norm of the same kind;
+`fusions` counts the compiled program's fusions (XLA's kernels, about).
 
 Reading the memory table: the parameters are four Llama-3-8B decoder layers' weights in bf16 (1.75 GB)
 in a `PimStore` with the H200 geometry (4 KiB stripes, parity groups of 8). `vs_copy`, `vs_read` and

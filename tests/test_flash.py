@@ -453,6 +453,25 @@ def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(mo
     assert mosaic >= 6 and loops == 2
 
 
+def test_kernel_paths_follow_the_default_device(monkeypatch):
+    """``ops.hopper`` (the Hopper kernels) and the Triton redo's choice look at the device JAX
+    computes on: on a machine whose first device is a Hopper GPU, a program placed on the CPU
+    (``jax.default_device``, a device or a platform's name) takes the CPU's paths."""
+    from pimlayers.ops import _dispatch, _redo_kernel
+
+    class Hopper:
+        platform, compute_capability, client = "gpu", "9.0", None
+
+    real = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [Hopper()] if backend is None else real(backend))
+    assert isinstance(_dispatch.compute_device(), Hopper) and ops._fused_gemm.hopper()
+    assert _redo_kernel.redo_kernel_chosen(FaultPolicy()) is (_redo_kernel.plt is not None)
+    for where in (real("cpu")[0], "cpu"):
+        with jax.default_device(where):
+            assert _dispatch.compute_device() == real("cpu")[0]
+            assert not ops._fused_gemm.hopper() and not _redo_kernel.redo_kernel_chosen(FaultPolicy())
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="lowers for a GPU without one; tests/test_gpu_flash.py runs it there")
 def test_the_hopper_kernels_type_check_inside_shard_map(monkeypatch, cpu_mesh):
     """Inside shard_map with JAX's varying-axes checks on (the default), the Hopper kernels' paths

@@ -52,6 +52,7 @@ from ..ops import (
     protected_bmm_grads,
     zero_tap,
 )
+from ..ops._dispatch import compute_device
 from ..ops._flash_bwd import bwd_gemms
 from ..ops._fused_gemm import hopper
 from ..ops._protected_matmul import _to_tap
@@ -227,7 +228,7 @@ def _layout_obstacle(q, k, q_positions, kv_length, mask, causal: bool) -> str:
 def _unverified_flash(q, k, v, scale: float, causal: bool, policy: FaultPolicy):
     """Protection off, flash requested: ``jax.nn.dot_product_attention`` (cuDNN's flash attention on
     a GPU for bf16/f16, XLA's elsewhere), nothing checked; gated if the policy gates."""
-    gpu = jax.default_backend() == "gpu"
+    gpu = getattr(compute_device(), "platform", None) == "gpu"
     impl = "cudnn" if gpu and q.dtype in (jnp.bfloat16, jnp.float16) else None
     # jax's own XLA implementation promotes bf16 with f32 internally: allowed here even when a
     # caller runs with strict dtype promotion.

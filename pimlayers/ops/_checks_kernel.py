@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from ._redo_kernel import _device_runs_it, load_a_tile, plt
+from ._redo_kernel import _device_runs_it, _first_device, load_a_tile, plt
 from ._vma import typed_like, vary_as
 
 __all__ = [
@@ -114,9 +114,10 @@ def checks_kernel_wanted() -> bool:
 
 
 def _gpu_runs_it() -> bool:
-    """Whether JAX's first device is a GPU that runs the kernel (not a CPU: there it would run under
+    """Whether the device JAX computes on is a GPU that runs the kernel (not a CPU: there it would run under
     Pallas' interpreter)."""
-    return jax.devices()[0].platform != "cpu" and _device_runs_it()
+    d = _first_device()
+    return d is not None and d.platform != "cpu" and _device_runs_it()
 
 
 def checks_kernel_applies(
@@ -273,7 +274,7 @@ def checks_kernel(
         s3, a3 = sums.reshape(-1, k, per * nb), abs_sums.reshape(-1, k, nb)
     pc = _pad_to_pieces(_split_parts(s3, c_terms))
     pm = _pad_to_pieces(_split_parts(a3, mag_terms))
-    interp = jax.devices()[0].platform == "cpu" if interpret is None else interpret
+    interp = _first_device().platform == "cpu" if interpret is None else interpret
     yc, ym = _call(x3, pc, pm, a_t=transposed, interpret=interp, bm=bm, splits=splits)
     rows = yc.shape[1]
     c = _sum_terms(yc[..., : c_terms * per * nb], c_terms, per * nb)

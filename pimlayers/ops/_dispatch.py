@@ -10,6 +10,7 @@ import jax
 from jax import lax
 
 from .._native import has_native
+from ._vma import varies, vary_as
 
 IMPLS = ("auto", "native", "reference")
 
@@ -67,32 +68,24 @@ def present_platforms() -> frozenset[str]:
         return frozenset()
 
 
-def _vma(x) -> frozenset:
-    """The manual mesh axes x varies over (``aval.vma`` in some jax releases, ``aval.mat.varying``
-    in others)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        mat = getattr(aval, "manual_axis_type", None)
-        vma = getattr(mat, "varying", None) or ()
-    return frozenset(vma)
-
-
 def _varying_like(fn: Callable[..., Any], args) -> Callable[..., Any]:
     """Inside shard_map, mark fn's outputs as varying over the mesh axes its inputs vary over.
 
     An FFI call's results carry no such annotation, so without this the native and reference
-    branches of platform_dependent would disagree in type.
+    branches of platform_dependent would disagree in type (``_vma.vary_as``).
     """
-    vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(args)))
-    if not vma:
+    if not varies(args):
         return fn
+    return lambda *a: vary_as(fn(*a), *args)
 
-    def wrapped(*a):
-        def fix(o):
-            missing = tuple(sorted(vma - _vma(o)))
-            return lax.pcast(o, missing, to="varying") if missing else o
 
-        return jax.tree.map(fix, fn(*a))
-
-    return wrapped
+def compute_device():
+    """The device JAX computes on where nothing else places a computation: the default device
+    where one is set (``jax.default_device``: a device or a platform's name), else the first; None
+    where there is none. What the kernels' paths are chosen by: a program placed on the CPU of a
+    machine with a GPU takes the CPU's."""
+    try:
+        d = jax.config.jax_default_device
+        return jax.devices()[0] if d is None else jax.devices(d)[0] if isinstance(d, str) else d
+    except RuntimeError:
+        return None

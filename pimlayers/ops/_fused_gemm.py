@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, BFloat16, Float
 
+from ._dispatch import compute_device
 from ._vma import typed_like, vary_as
 
 __all__ = [
@@ -91,10 +92,8 @@ def hopper() -> bool:
     """Whether the device JAX computes on is a Hopper GPU (sm_90), where the kernels run: the
     default device where one is set (``jax.default_device``, a device or a platform's name), else
     the first. A program placed on the CPU of a machine with a GPU takes the XLA paths."""
-    try:
-        d = jax.config.jax_default_device
-        d = jax.devices()[0] if d is None else jax.devices(d)[0] if isinstance(d, str) else d
-    except RuntimeError:
+    d = compute_device()
+    if d is None:
         return False
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 

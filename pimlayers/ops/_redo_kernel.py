@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - a jax that has dropped it
 from jaxtyping import Array, Float, Int32
 
 from ._abft import ABFT_CLEAN, ABFT_DETECTED
+from ._dispatch import compute_device
 from ._fused_check import sums_flags
 from ._redo_sharding import REDO_STATS as _REDO_STATS
 from ._redo_sharding import STATS as _STATS
@@ -108,16 +109,13 @@ def redo_kernel_applies(a, b, out_dtype, block_n: int | None, r: int, k: int, n:
 
 
 def _first_device():
-    """JAX's first device, or None where there is none."""
-    try:
-        return jax.devices()[0]
-    except RuntimeError:
-        return None
+    """The device JAX computes on (``_dispatch.compute_device``), or None where there is none."""
+    return compute_device()
 
 
 def redo_kernel_chosen(policy) -> bool:
     """Whether ``FaultPolicy(recompute_kernel=None)`` (the default) picks the kernel: no
-    ``recompute_blocks`` and JAX's first device a GPU that runs it (:func:`_device_runs_it`). Not a
+    ``recompute_blocks`` and the device JAX computes on a GPU that runs it (:func:`_device_runs_it`). Not a
     CPU: there the loop it replaces costs no host round trip, and the kernel would run under Pallas'
     interpreter. Measured on an H100 (docs/gpu-tests.md, 2026-12-05): the 4-layer Llama-3-8B-dims
     step 116.1 ms with it against 132.0 with the loop."""
@@ -135,7 +133,7 @@ def redo_kernel_wanted(policy) -> bool:
 
 
 def _device_runs_it() -> bool:
-    """Whether the kernel runs where JAX's first device is: an NVIDIA GPU of compute capability 8.0 or
+    """Whether the kernel runs on the device JAX computes on: an NVIDIA GPU of compute capability 8.0 or
     newer (Triton's bf16 / f16 dots), or a CPU (under Pallas' interpreter). Elsewhere (an older or
     a ROCm GPU, where the interpreter would stand in on the device) and in a jax without Pallas'
     Triton backend the loop recomputes."""
