@@ -56,6 +56,8 @@ def vary_alike(*trees):
     over (module docstring); unchanged outside ``shard_map``."""
     leaves = [x for x in jax.tree.leaves(trees) if hasattr(x, "dtype")]
     axes = frozenset().union(*(_varying(x) for x in leaves))
+    if not axes:
+        return trees
     return jax.tree.map(lambda x: _cast(x, axes) if _is_float(x) else x, trees)
 
 
@@ -67,6 +69,8 @@ def vary_as(results, *operands):
     cotangents then do not match their operands' types. Unchanged outside ``shard_map``."""
     leaves = [x for x in jax.tree.leaves(operands) if hasattr(x, "dtype")]
     axes = frozenset().union(*(_varying(x) for x in leaves))
+    if not axes:
+        return results
     return jax.tree.map(lambda x: _cast(x, axes), results)
 
 
