@@ -17,13 +17,13 @@ python -m benchmarks.profile --compare <profile-protect fused>.json <profile-pro
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
 run's one-off work (parameter initialisation, the first encode, the final repair and evaluation)
-cancelled; a first, untraced run warms the process, and the two traced runs load its compiled step
-from JAX's compilation cache (a folder under ``--out``; ``--no-compile-cache``: each compiles it, as
-before 2026-12-07). On a GPU each run compiles the step, as without the cache: jaxlib's Mosaic GPU
-lowering names each module it serialises (the flash kernels') with a process-wide counter, which is
-part of the cache's key, so a program lowered again in the same process is not found (H100,
-2026-12-07; a new process counts from zero and reads it back: ``tests/test_benchmarks.py``'s GPU
-cache tests). Prints two tables (top kernels; top scopes, e.g.
+cancelled. A first, untraced run compiles the step into JAX's compilation cache (a folder under
+``--out``), and the two traced runs load it from there (``--no-compile-cache``: each compiles it, as
+before 2026-12-07). Each run is a process of its own (``--run``, from the sixty-second session): in
+one process a GPU never read the step back, since jaxlib's Mosaic GPU lowering names each module it
+serialises (the flash kernels') with a process-wide counter that is part of the cache's key (H100,
+2026-12-07; a new process counts from zero: ``tests/test_benchmarks.py``'s GPU cache tests). Prints
+two tables (top kernels; top scopes, e.g.
 ``pimlayers.protected_matmul``) in ms per step with each entry's share, then the time per step the
 device sat idle between its first and last kernel, with the largest gaps named by the kernels on
 either side (where the device waits for the host: a branch's predicate, a launch; gaps of 50 ms or
@@ -66,6 +66,7 @@ import re
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import typing
@@ -874,7 +875,49 @@ def measured_on(tables: list[dict], paths: list[str]) -> dict[str, str]:
     return {k: str(tables[0][k]) for k in ("device", "jax", "python") if k in tables[0]}
 
 
-def share_compiles(folder: pathlib.Path | None, min_seconds: float = 1.0) -> None:
+# The three runs, each a process: the warm one compiles the step into the cache; "base" (1 step) and
+# "trace" (1 + --steps) are traced, and their difference is the profile.
+RUNS = ("warm", "base", "trace")
+
+
+def run_command(argv: list[str], out: pathlib.Path, name: str) -> list[str]:
+    """The command of one run: this script with the caller's arguments, its folder and ``--run``."""
+    argv = list(argv)
+    for flag in ("--out", "--run"):  # the caller's own (a folder it named, or none), replaced
+        while flag in argv:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+    return [sys.executable, "-m", "benchmarks.profile", *argv, "--out", str(out), "--run", name]
+
+
+def one_run(args, out: pathlib.Path, name: str) -> None:
+    """One of the profile's runs (``RUNS``) in this process: the training script for one step
+    ("warm", "base") or 1 + ``--steps`` ("trace"), the last two under JAX's profiler."""
+    n = len(jax.devices())
+    cfg = dict(
+        config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,
+        remat=True, remat_policy=args.remat_policy, recompute=not args.no_recompute,
+        recompute_blocks=args.redo_blocks, devices=n, eval_every=10**9, eval_windows=n, warmup=1,
+        protect=args.protect, fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0,
+        nan_rate=0.0, quiet=True, cast_on_scrub=not args.no_cast_on_scrub,
+        fused_update=not args.no_fused_update,
+    )  # fmt: skip
+    # Here, not at the module's top: benchmarks.rev_ab imports this module's trace readers beside
+    # an older revision's pimlayers, which the working tree's training script may not import with.
+    from train.llama3 import TrainConfig, train
+
+    share_compiles(None if args.no_compile_cache else out / "jax-cache", fresh=False)
+    if name == "warm":  # autotuning, the step's compilation into the cache, the ops' own programs
+        train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
+        return
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)
+    steps = 1 if name == "base" else 1 + args.steps
+    with jax.profiler.trace(str(out / name), create_perfetto_trace=True, profiler_options=opts):
+        train(TrainConfig(steps=steps, out_dir=str(out / f"run-{name}"), **cfg))
+
+
+def share_compiles(folder: pathlib.Path | None, min_seconds: float = 1.0, fresh: bool = True) -> None:
     """JAX's persistent compilation cache in ``folder`` for this process's later compilations of at
     least ``min_seconds``: a program compiled again, as each ``train()`` call jits its step afresh,
     is then read back instead (its executable, so the same kernels and autotuning choices). The
@@ -884,12 +927,14 @@ def share_compiles(folder: pathlib.Path | None, min_seconds: float = 1.0) -> Non
     compiled again, with a warning. ``folder`` is emptied first: a program compiled by an earlier
     run there, perhaps under other settings that the cache's key does not see (the native handlers'
     traits, which decide what XLA's command buffers take), is never loaded, and the warm run
-    compiles, so that ``--hlo-dump`` has its programs. ``folder`` None: no persistent cache at all,
-    not even one the environment names (``--no-compile-cache``)."""
+    compiles, so that ``--hlo-dump`` has its programs (``fresh=False``: kept, for the runs after the
+    first, each a process of its own). ``folder`` None: no persistent cache at all, not even one the
+    environment names (``--no-compile-cache``)."""
     if folder is None:
         jax.config.update("jax_enable_compilation_cache", False)
     else:
-        shutil.rmtree(folder, ignore_errors=True)
+        if fresh:
+            shutil.rmtree(folder, ignore_errors=True)
         jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update("jax_compilation_cache_dir", str(folder))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_seconds))
@@ -959,6 +1004,12 @@ def main() -> None:
         "and traced runs loading the warm run's executable from JAX's compilation cache",
     )
     ap.add_argument(
+        "--run",
+        choices=RUNS,
+        default=None,
+        help="one of the three runs only, in this process (the profile starts each so, under --out)",
+    )
+    ap.add_argument(
         "--compare",
         nargs=2,
         metavar=("PROTECT", "OFF"),
@@ -1014,30 +1065,17 @@ def main() -> None:
             raise RuntimeError(
                 f"benchmarks.profile {' '.join(flags)}: the XLA backends started before the flags were set"
             )
-        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
-    n = len(jax.devices())
-    cfg = dict(
-        config=args.config, layers=args.layers, tokenizer="bytes", batch=n, seq=args.seq, dtype=args.dtype,
-        remat=True, remat_policy=args.remat_policy, recompute=not args.no_recompute,
-        recompute_blocks=args.redo_blocks, devices=n, eval_every=10**9, eval_windows=n, warmup=1,
-        protect=args.protect, fused=args.fused, flash=args.flash, flip_every=0, gemm_fault_rate=0.0,
-        nan_rate=0.0, quiet=True, cast_on_scrub=not args.no_cast_on_scrub,
-        fused_update=not args.no_fused_update,
-    )  # fmt: skip
-    # Here, not at the module's top: benchmarks.rev_ab imports this module's trace readers beside
-    # an older revision's pimlayers, which the working tree's training script may not import with.
-    from train.llama3 import TrainConfig, train
-
-    # Warms the process (autotuning, the ops' own programs); each train() call jits its step afresh,
-    # so both traced runs would compile it again (the difference cancels that): with the cache they
-    # load the warm run's executable instead, the same program, in a fraction of the time.
+        have = os.environ.get("XLA_FLAGS", "")  # a run inherits its starter's, flags included
+        os.environ["XLA_FLAGS"] = " ".join([have, *(f for f in flags if f not in have.split())]).strip()
+    if args.run is not None:
+        one_run(args, out, args.run)
+        return
+    # Each run in a process of its own (RUNS); this one starts no backend until they are done.
     share_compiles(None if args.no_compile_cache else out / "jax-cache")
-    train(TrainConfig(steps=1, out_dir=str(out / "warm"), **cfg))
-    opts = jax.profiler.ProfileOptions()
-    opts.python_tracer_level = 0  # Python frames would flood the trace buffer (events get dropped)
-    for name, steps in (("base", 1), ("trace", 1 + args.steps)):
-        with jax.profiler.trace(str(out / name), create_perfetto_trace=True, profiler_options=opts):
-            train(TrainConfig(steps=steps, out_dir=str(out / f"run-{name}"), **cfg))
+    for name in RUNS:
+        done = subprocess.run(run_command(sys.argv[1:], out, name), check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"benchmarks.profile: the {name} run failed (exit {done.returncode})")
     sources = None
     if args.hlo_dump:
         # Instruction names repeat across programs (every module has its fusion.1): the largest

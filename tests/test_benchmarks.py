@@ -1913,6 +1913,42 @@ print("ok")
     _fresh_process(code, dict(os.environ))
 
 
+def test_profile_runs_each_run_in_a_process_of_its_own(monkeypatch, tmp_path):
+    """benchmarks.profile starts its three runs as processes of their own (on a GPU the compile
+    cache reads a step back only in a new process), each with the caller's arguments, the profile's
+    folder and ``--run`` (a caller's own ``--out`` and ``--run`` replaced); a failed run stops the
+    profile, named; a process given ``--run`` makes that run alone and starts none."""
+    import types
+
+    from benchmarks import profile
+
+    calls, runs = [], []
+    done = lambda cmd, check: (
+        calls.append(cmd) or types.SimpleNamespace(returncode=0 if len(calls) < 3 else 3)
+    )
+    monkeypatch.setattr(profile.subprocess, "run", done)
+    monkeypatch.setattr(profile, "one_run", lambda args, out, name: runs.append((out, name)))
+    monkeypatch.setattr("sys.argv", ["profile", "--layers", "2", "--out", str(tmp_path), "--protect"])
+    with pytest.raises(RuntimeError, match=r"the trace run failed \(exit 3\)"):
+        profile.main()
+    assert runs == [] and [c[-1] for c in calls] == list(profile.RUNS)
+    for c in calls:
+        head = [sys.executable, "-m", "benchmarks.profile", "--layers", "2", "--protect"]
+        assert c == [*head, "--out", str(tmp_path), "--run", c[-1]]
+    assert profile.run_command(["--run", "base", "--steps", "2"], tmp_path, "warm")[3:] == [
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--run",
+        "warm",
+    ]
+    calls.clear()
+    monkeypatch.setattr("sys.argv", ["profile", "--layers", "2", "--out", str(tmp_path), "--run", "base"])
+    profile.main()
+    assert calls == [] and runs == [(tmp_path, "base")]
+
+
 def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
     """A comparison built on this machine from GPU tables is a GPU table (its file name and fields
     say where the numbers were measured); tables of two devices, or not op tables, are refused."""
