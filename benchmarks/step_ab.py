@@ -15,9 +15,11 @@ parameter flips are injected (5, as the suite; in 6-step runs of the 4-layer ste
 2026-12-06, each process's one repair step took ~230 ms against ~110, so short runs want 0). The
 rows give each process's median step (and its steps, and what it injected and detected) and, per
 variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
-(> 1: faster). On an H200 (2026-12-03) the medians of processes
-running the same code differed by up to 9 ms in a 120 ms step (each process autotuning its own
-GEMMs, as the tool then had them do): resolving a change of a few ms takes several rounds. The
+(> 1: faster), its ratio in each round and a 95% bootstrap interval that counts the spread between
+processes (``summarize``): whether the run resolves the difference. On an H200 (2026-12-03) the
+medians of processes running the same code differed by up to 9 ms in a 120 ms step (each process
+autotuning its own GEMMs, as the tool then had them do): resolving a change of a few ms takes
+several rounds. The
 processes now share XLA's autotuning results (``--xla_gpu_per_fusion_autotune_cache_dir``, a
 temporary folder; ``--own-autotuning`` for the old behaviour), so the GEMMs and fusions that XLA
 autotunes get the same choices in every process; whether that narrows the spread is not yet
@@ -129,11 +131,20 @@ def _child(args) -> None:
     print("STEP_AB " + json.dumps({"step_seconds": [float(t) for t in s["step_seconds"]], "faults": faults}))
 
 
-def summarize(runs: list[tuple[str, int, list[float]]]) -> list[dict]:
+def summarize(runs: list[tuple[str, int, list[float]]], resamples: int = 2000) -> list[dict]:
     """Rows from (variant, round, step seconds) of each process: one per process (its steps in
     ``steps_ms``), then one per variant pooling its steps; the first variant is the base of
     ``vs_base``. ``iqr_ms`` is the interquartile range: the step that repairs injected parameter
-    flips takes about a second and would set any range that counted it."""
+    flips takes about a second and would set any range that counted it.
+
+    Each other variant's pooled row also says whether the run resolves its difference from the
+    base: ``round_ratios``, the base's median / the variant's in each round (the two processes of a
+    round ran one after the other), ``faster_rounds``, how many of those exceed 1, and
+    ``ci95_vs_base``, a 95% interval of ``vs_base`` by a two-level bootstrap (``resamples`` draws,
+    seeded: rounds drawn with replacement, the same rounds for both variants, then each drawn
+    process's steps with replacement), so the spread between processes (each autotunes and places
+    its own programs) counts, not only between steps. ``resolved``: the interval excludes 1. With
+    two rounds the interval rests on two processes a variant: a wide interval says to run more."""
 
     def row(variant, rnd, t):
         q25, q50, q75 = np.percentile(1e3 * np.asarray(t), [25, 50, 75])
@@ -141,14 +152,42 @@ def summarize(runs: list[tuple[str, int, list[float]]]) -> list[dict]:
 
     rows = [row(v, r, t) | dict(steps_ms=[round(1e3 * x, 3) for x in t]) for v, r, t in runs]
     pooled: dict[str, list[float]] = {}
-    for v, _, t in runs:
+    by_round: dict[str, dict] = {}
+    for v, r, t in runs:
         pooled.setdefault(v, []).extend(t)
-    base = None
+        by_round.setdefault(v, {})[r] = np.asarray(t, float)
+    base = base_name = None
     for v, t in pooled.items():
         rows.append(row(v, "all", t))
-        base = rows[-1]["step_ms"] if base is None else base
+        if base is None:
+            base, base_name = rows[-1]["step_ms"], v
         rows[-1]["vs_base"] = base / rows[-1]["step_ms"]
+        if v != base_name:
+            rows[-1].update(_paired(by_round[base_name], by_round[v], resamples))
     return rows
+
+
+def _paired(base: dict, variant: dict, resamples: int) -> dict:
+    """``summarize``'s per-round ratios and bootstrap interval of one variant against the base, over
+    the rounds both ran."""
+    rounds = sorted(set(base) & set(variant), key=str)
+    ratios = [float(np.median(base[r]) / np.median(variant[r])) for r in rounds]
+    rng = np.random.default_rng(0)
+
+    def steps(runs: dict, pick) -> np.ndarray:  # each drawn round's process, its steps redrawn
+        return np.concatenate([rng.choice(runs[rounds[i]], runs[rounds[i]].size) for i in pick])
+
+    draws = []
+    for _ in range(resamples if rounds else 0):
+        pick = rng.integers(0, len(rounds), len(rounds))
+        draws.append(np.median(steps(base, pick)) / np.median(steps(variant, pick)))
+    lo, hi = (float(x) for x in np.percentile(draws, [2.5, 97.5])) if draws else (float("nan"),) * 2
+    return dict(
+        round_ratios=ratios,
+        faster_rounds=sum(x > 1 for x in ratios),
+        ci95_vs_base=[lo, hi],
+        resolved=bool(draws) and (lo > 1 or hi < 1),
+    )
 
 
 def variant_envs(environ: dict, setting: dict, cache: str, own_autotuning: bool) -> tuple[dict, dict]:
@@ -264,9 +303,17 @@ def main(argv=None) -> None:
             "  ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in row.items()
-                if k not in ("steps_ms", "faults")
+                if k not in ("steps_ms", "faults", "round_ratios", "ci95_vs_base")
             )
         )
+        if "ci95_vs_base" in row:
+            lo, hi = row["ci95_vs_base"]
+            ratios = ", ".join(f"{x:.4f}" for x in row["round_ratios"])
+            print(
+                f"  vs_base per round [{ratios}], faster in {row['faster_rounds']} of "
+                f"{len(row['round_ratios'])}; 95% interval {lo:.4f}-{hi:.4f}: "
+                + ("resolved" if row["resolved"] else "not resolved (the interval holds 1)")
+            )
     print(
         "wrote",
         write_result("step-ab", rows, command_line("benchmarks.step_ab"), tag=args.tag, note=args.note),

@@ -1423,6 +1423,34 @@ def test_step_ab_summary_pools_steps_per_variant_against_the_first():
     assert x["vs_base"] == pytest.approx(base["step_ms"] / x["step_ms"]) and base["vs_base"] == 1.0
     assert x["vs_base"] > 1.07
     assert base["iqr_ms"] < 5  # the repair steps do not set it
+    # Faster in both rounds by more than the steps' and the processes' spread: resolved.
+    assert x["round_ratios"] == pytest.approx([122.0 / 112.0, 126.0 / 114.0])
+    assert x["faster_rounds"] == 2 and x["resolved"] and x["ci95_vs_base"][0] > 1.05
+    assert "round_ratios" not in base
+
+
+def test_step_ab_interval_counts_the_spread_between_processes():
+    """A difference smaller than the processes' own spread is not resolved, even where every step
+    of one variant's processes beats the other's in one round: the bootstrap draws rounds
+    (processes), not only steps; with more rounds of a real difference it is."""
+    from benchmarks import step_ab
+
+    rng = np.random.default_rng(1)
+    steps = lambda ms: list(1e-3 * (ms + 0.2 * rng.standard_normal(8)))
+    # Process offsets of +-3 ms, the variant 0.5 ms faster: round 0 favours it, round 1 not.
+    noisy = [
+        ("base", 0, steps(110.0)),
+        ("v", 0, steps(106.5)),
+        ("base", 1, steps(107.0)),
+        ("v", 1, steps(109.5)),
+    ]
+    v = step_ab.summarize(noisy)[-1]
+    assert v["faster_rounds"] == 1 and not v["resolved"]
+    assert v["ci95_vs_base"][0] < 1 < v["ci95_vs_base"][1]
+    clear = [(name, r, steps(110.0 + off - (1.5 if name == "v" else 0.0)))
+             for r, off in enumerate([0.0, 0.4, -0.3, 0.2, -0.1, 0.3]) for name in ("base", "v")]  # fmt: skip
+    v = step_ab.summarize(clear)[-1]
+    assert v["faster_rounds"] == 6 and v["resolved"] and v["ci95_vs_base"][0] > 1
 
 
 def test_step_ab_variants_share_autotuning_even_when_the_setting_is_xlas_flags():
