@@ -21,10 +21,9 @@ against a fixed cotangent, with respect to x and the scale (``value_and_grad``),
 ``jax.checkpoint`` (the backward recomputes the forward, as the model's blocks do: device time of
 10 calls in one jitted loop, ``_harness.device_time``; its fold reads one element of an output,
 which would let XLA shrink a forward to one row). The variants alternate within each of
-``--rounds`` rounds; the
-rows give each one's median, its ratio to ``off`` and the fusions in its compiled program (XLA's
-kernels, about; ``--hlo DIR`` writes the programs, ``<variant>[-forward|-remat].txt``, to read
-which). Results go to
+``--rounds`` rounds; the rows give each one's median, its ratio to ``off`` and the fusions in its
+compiled program (XLA's kernels, about; ``--hlo DIR`` writes the programs,
+``<variant>[-forward|-remat].txt``, to read which). Results go to
 ``benchmarks/results/<date>-norm-gate[-TAG]-<device>.json``.
 """
 

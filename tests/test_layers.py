@@ -326,9 +326,8 @@ def test_rms_norm_gate_mask_blocks_a_scale_column_past_its_range():
 @pytest.mark.parametrize("style", ["flax", "equinox", "llama"])
 def test_rms_norm_gate_forward_exact_where_a_scale_column_overflows(style):
     """A scale entry large enough that its column's outputs overflow on some rows (Inf, or 0·Inf):
-    there the
-    forward's mask falls back to the outputs' own (isfinite(y)), so values and counts are the
-    general path's bit for bit and the overflowed values are gated."""
+    there the forward's mask falls back to the outputs' own (isfinite(y)), so values and counts are
+    the general path's bit for bit and the overflowed values are gated."""
     x, scale = _norm_case(style, jnp.float32)
     scale = scale.at[5].set(3e38)
 
