@@ -69,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import typing
 import warnings
 
@@ -1072,10 +1073,14 @@ def main() -> None:
         return
     # Each run in a process of its own (RUNS); this one starts no backend until they are done.
     share_compiles(None if args.no_compile_cache else out / "jax-cache")
+    run_seconds = {}  # each run's wall time: the warm one compiles, the others should load
     for name in RUNS:
+        t0 = time.perf_counter()
         done = subprocess.run(run_command(sys.argv[1:], out, name), check=False)
         if done.returncode != 0:
             raise RuntimeError(f"benchmarks.profile: the {name} run failed (exit {done.returncode})")
+        run_seconds[name] = round(time.perf_counter() - t0, 1)
+        print(f"{name} run: {run_seconds[name]:.1f} s", flush=True)
     sources = None
     if args.hlo_dump:
         # Instruction names repeat across programs (every module has its fusion.1): the largest
@@ -1088,7 +1093,7 @@ def main() -> None:
         out / "trace", args.top, base_dir=out / "base", steps=args.steps, sources=sources, fused=args.fused
     )
     command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
-    s.update(command=command)
+    s.update(command=command, run_seconds=run_seconds)
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     if args.save is not None:
         for suite, rows in result_tables(s, args.protect).items():

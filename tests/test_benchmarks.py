@@ -1941,7 +1941,7 @@ print("ok")
     _fresh_process(code, dict(os.environ))
 
 
-def test_profile_runs_each_run_in_a_process_of_its_own(monkeypatch, tmp_path):
+def test_profile_runs_each_run_in_a_process_of_its_own(monkeypatch, tmp_path, capsys):
     """benchmarks.profile starts its three runs as processes of their own (on a GPU the compile
     cache reads a step back only in a new process), each with the caller's arguments, the profile's
     folder and ``--run`` (a caller's own ``--out`` and ``--run`` replaced); a failed run stops the
@@ -1959,6 +1959,7 @@ def test_profile_runs_each_run_in_a_process_of_its_own(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["profile", "--layers", "2", "--out", str(tmp_path), "--protect"])
     with pytest.raises(RuntimeError, match=r"the trace run failed \(exit 3\)"):
         profile.main()
+    assert "warm run: " in capsys.readouterr().out  # each run's wall time, as it ends
     assert runs == [] and [c[-1] for c in calls] == list(profile.RUNS)
     for c in calls:
         head = [sys.executable, "-m", "benchmarks.profile", "--layers", "2", "--protect"]
