@@ -110,12 +110,12 @@ def _columns_ok(scale, e: int, dtype, eps: float, style: str) -> jax.Array:
     A row of finite x has |x_j|·rsqrt(mean(x²) + eps) <= sqrt(E) (its mean square is at least
     x_j²/E; f32's rounding of the sum is far inside the 1/64 margin), so its outputs are finite where
     the scale is finite and small enough that |s|·sqrt(E) stays below half the output's largest
-    value; flax's order forms rsqrt(·)·s first, at most rsqrt(eps)·|s|, which must
-    stay below half the statistics' dtype's. A column past those limits (at E = 4096 and eps = 1e-5,
-    a scale from ~5e35 in flax's order and ~2.6e36 in the others: a corrupted parameter) passes no
-    gradient. A row whose mean square is Inf (an Inf in x, or
-    squares past f32's range) scales by rsqrt(Inf) = 0: its finite values become 0·s, kept where
-    the column is, and its Infs NaN, which isfinite(x) drops. A row with a NaN is NaN throughout,
+    value; flax's order forms rsqrt(·)·s first, at most rsqrt(eps)·|s|, which must stay below half
+    the statistics' dtype's. A column past those limits (at E = 4096 and eps = 1e-5, a scale from
+    ~5e35 in flax's order and ~2.6e36 in the others: a corrupted parameter) passes no gradient. A
+    row whose mean square is Inf (an Inf in x, or squares past f32's range) scales by
+    rsqrt(Inf) = 0: its finite values become 0·s, kept where the column is, and its Infs NaN, which
+    isfinite(x) drops. A row with a NaN is NaN throughout,
     so the gate keeps none of it, where the gradient's mask passes its finite columns: its input
     gradient and the scale's are NaN either way (the norm's backward multiplies by the row's NaN
     statistic, and the scale's gradient by its NaN outputs), so they agree with the gate's own mask

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from ._redo_kernel import _device_runs_it, _first_device, load_a_tile, plt
+from ._redo_kernel import _first_device, _gpu_runs_it, load_a_tile, plt
 from ._vma import typed_like, vary_as
 
 __all__ = [
@@ -108,16 +108,9 @@ def _padded(width: int) -> int:
 
 
 def checks_kernel_wanted() -> bool:
-    """Whether this process asked for the kernel (``PIMLAYERS_CHECKS_KERNEL=1``) and its first
-    device runs it (an NVIDIA GPU of compute capability 8.0 or newer with Pallas' Triton backend)."""
+    """Whether this process asked for the kernel (``PIMLAYERS_CHECKS_KERNEL=1``) and the device
+    JAX computes on runs it (an NVIDIA GPU of compute capability 8.0 or newer with Pallas' Triton backend)."""
     return os.environ.get("PIMLAYERS_CHECKS_KERNEL", "0") == "1" and _gpu_runs_it()
-
-
-def _gpu_runs_it() -> bool:
-    """Whether the device JAX computes on is a GPU that runs the kernel (not a CPU: there it would run under
-    Pallas' interpreter)."""
-    d = _first_device()
-    return d is not None and d.platform != "cpu" and _device_runs_it()
 
 
 def checks_kernel_applies(

@@ -34,11 +34,14 @@ def gate_reference(
     x: Float[Array, "*rows n"], fill: float = 0.0, limit: float = math.inf
 ) -> tuple[Float[Array, "*rows n"], Int[Array, "*rows"]]:
     """Pure-JAX twin of the native gate (same outputs, bit for bit)."""
-    keep = gate_keep(x, limit)
+    return _select(x, gate_keep(x, limit), fill)
+
+
+def _select(x, keep, fill: float):
+    """``(where(keep, x, fill), per-row count of ~keep)``: the gate's values and counts for a mask."""
     y = jnp.where(keep, x, jnp.asarray(fill, jnp.float32).astype(x.dtype))
     dropped = (~keep).astype(jnp.int32)
-    counts = dropped if x.ndim == 0 else jnp.sum(dropped, axis=-1, dtype=jnp.int32)
-    return y, counts
+    return y, dropped if x.ndim == 0 else jnp.sum(dropped, axis=-1, dtype=jnp.int32)
 
 
 def _gate_native(x, fill: float, limit: float):
@@ -104,10 +107,7 @@ def gate(
 def _gate_keep_given(x, keep, exact, fill, impl):
     if exact is None:
         return _gate(x, fill, math.inf, impl)
-    # The caller's mask is isfinite(x) exactly: the same select and counts as gate_reference's.
-    y = jnp.where(exact, x, jnp.asarray(fill, jnp.float32).astype(x.dtype))
-    dropped = (~exact).astype(jnp.int32)
-    return y, dropped if x.ndim == 0 else jnp.sum(dropped, axis=-1, dtype=jnp.int32)
+    return _select(x, exact, fill)  # the caller's mask is isfinite(x) exactly: gate_reference's
 
 
 @_gate_keep_given.defjvp
@@ -133,8 +133,9 @@ def gate_with_keep(
 
     Why: the gradient's mask from x makes a backward pass that rematerialises x compute it first. An
     RMSNorm's output needs its rows' statistics, so its backward took two dependent passes over the
-    input where the ungated norm takes one (on an H100, 8192 x 4096 bf16 under ``jax.checkpoint``,
-    2026-12-07: +58-68 µs over the ungated norm's 0.23 ms); from the input and the scale alone the
+    input where the ungated norm takes one (``python -m benchmarks.norm_gate`` on an H100, 8192 x
+    4096 bf16 under ``jax.checkpoint``, 2026-12-07, norm-gate-s61: +58.6 µs over the ungated norm's
+    0.235 ms); from the input and the scale alone the
     mask is a sibling of the statistics' reduction (``layers.rms_norm``).
 
     ``exact`` (optional, bool, broadcastable to x like ``keep``): ``isfinite(x)`` itself, computed

@@ -119,8 +119,12 @@ def redo_kernel_chosen(policy) -> bool:
     CPU: there the loop it replaces costs no host round trip, and the kernel would run under Pallas'
     interpreter. Measured on an H100 (docs/gpu-tests.md, 2026-12-05): the 4-layer Llama-3-8B-dims
     step 116.1 ms with it against 132.0 with the loop."""
-    if policy.recompute_blocks is not None:
-        return False
+    return policy.recompute_blocks is None and _gpu_runs_it()
+
+
+def _gpu_runs_it() -> bool:
+    """Whether the device JAX computes on is a GPU that runs the kernels (not a CPU: there they would
+    run under Pallas' interpreter); the checks kernel's choice too."""
     d = _first_device()
     return d is not None and d.platform != "cpu" and _device_runs_it()
 

@@ -42,9 +42,14 @@ def _varying(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()) or ())
 
 
+def _axes(trees) -> frozenset:
+    """The mesh axes any array in ``trees`` varies over (their union)."""
+    return frozenset().union(*(_varying(x) for x in jax.tree.leaves(trees) if hasattr(x, "dtype")))
+
+
 def varies(*trees) -> bool:
     """Whether any array in ``trees`` varies over a mesh axis (inside ``shard_map``, checks on)."""
-    return any(_varying(x) for x in jax.tree.leaves(trees) if hasattr(x, "dtype"))
+    return bool(_axes(trees))
 
 
 def _is_float(x) -> bool:
@@ -54,8 +59,7 @@ def _is_float(x) -> bool:
 def vary_alike(*trees):
     """``trees`` with every float leaf cast to vary over the union of the mesh axes any leaf varies
     over (module docstring); unchanged outside ``shard_map``."""
-    leaves = [x for x in jax.tree.leaves(trees) if hasattr(x, "dtype")]
-    axes = frozenset().union(*(_varying(x) for x in leaves))
+    axes = _axes(trees)
     if not axes:
         return trees
     return jax.tree.map(lambda x: _cast(x, axes) if _is_float(x) else x, trees)
@@ -67,8 +71,7 @@ def vary_as(results, *operands):
     where JAX traces a custom VJP's backward with the varying-axes checks off (their transposition)
     it drops what ``typed_like`` wrote there: the results come back invariant, and the backward's
     cotangents then do not match their operands' types. Unchanged outside ``shard_map``."""
-    leaves = [x for x in jax.tree.leaves(operands) if hasattr(x, "dtype")]
-    axes = frozenset().union(*(_varying(x) for x in leaves))
+    axes = _axes(operands)
     if not axes:
         return results
     return jax.tree.map(lambda x: _cast(x, axes), results)
@@ -98,11 +101,11 @@ def typed_like(out, *operands):
     axes any of ``operands`` varies over: a kernel's output row depends on its operands' rows, so it
     varies where they do. Unchanged outside ``shard_map`` (or on a jax whose abstract values carry
     no ``mat``)."""
-    leaves = [x for x in jax.tree.leaves(operands) if hasattr(x, "dtype")]
-    axes = frozenset().union(*(_varying(x) for x in leaves))
+    axes = _axes(operands)
     if not axes:
         return out
-    mat = getattr(jax.typeof(leaves[0]), "mat", None)
+    first = next(x for x in jax.tree.leaves(operands) if hasattr(x, "dtype"))
+    mat = getattr(jax.typeof(first), "mat", None)
     if mat is None:
         return out
     mat = mat.update(varying=axes)
