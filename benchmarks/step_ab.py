@@ -3,6 +3,7 @@ side by side in one run.
 
 python -m benchmarks.step_ab --env PIMLAYERS_ABFT_ROW_KERNEL=1 --layers 4 --steps 10 --rounds 2
 python -m benchmarks.step_ab --rev 9475388 --layers 4 --steps 8 --rounds 3 --flip-every 0
+python -m benchmarks.step_ab --step fused=1 --layers 4 --steps 8 --rounds 4 --flip-every 0
 
 The native handlers read their switches (``PIMLAYERS_ABFT_ROW_KERNEL``: the finish's row kernel for
 128-column blocks) once per process, so each variant trains in its own process; the two alternate
@@ -38,6 +39,13 @@ kernel time to resolve between sessions: on an H100 (2026-12-06) the same code p
 processes gave 108.07 and 107.97 ms of kernels, its cuBLAS kernels 56.14 and 54.49 ms
 (profile-protect-s56, -s56rep), as XLA chose other GEMM algorithms; here every process reuses the
 first one's autotuning.
+
+``--step NAME=VALUE`` (instead of ``--env`` or ``--rev``; repeatable) times a configuration of the
+step: the default protected step against the same with fields of ``benchmarks.llama3.Step`` set
+(``fused=1``: ``FaultPolicy(fused=True)``, the fused forward GEMM where a Hopper GPU runs it;
+``weighted_checks=0``; ...), each variant in processes of its own as above, so a configuration
+whose lead is smaller than the spread between one run's configurations (the llama3 suite runs its
+configurations one after the other in one process) is resolved or shown unresolved.
 
 ``--attention fwd`` (or ``fwd+bwd``) times the protected attention core instead of a training step:
 ``layers.attention_core`` with the default FaultPolicy (its recompute included: since the later runs
@@ -117,11 +125,15 @@ def _child(args) -> None:
         return _attention_child(args)
     from train.llama3 import train
 
+    from ._harness import environ
     from .llama3 import Step, step_config
 
-    with tempfile.TemporaryDirectory() as tmp:
-        flash = "on" if args.unprotected else "auto"
-        step = Step(protect=not args.unprotected, flash=flash, recompute=not args.no_recompute)
+    flash = "on" if args.unprotected else "auto"
+    step = Step(protect=not args.unprotected, flash=flash, recompute=not args.no_recompute)
+    step = step._replace(**step_fields(args.step))
+    # As the llama3 suite runs a Step: its checks_kernel is the environment's switch while it traces.
+    kernel = "1" if step.checks_kernel else None
+    with tempfile.TemporaryDirectory() as tmp, environ("PIMLAYERS_CHECKS_KERNEL", kernel):
         shape = (args.layers, args.steps, 1, args.seq, args.config, args.dtype)
         cfg = step_config(*shape, args.flip_every, "gemms", tmp, step)
         s = train(cfg)
@@ -216,6 +228,13 @@ def main(argv=None) -> None:
         help="a git revision (or a folder holding a pimlayers package) whose package is a variant "
         "against the working tree's (instead of --env)",
     )
+    ap.add_argument(
+        "--step",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a field of benchmarks.llama3.Step the variant sets (e.g. fused=1; instead of --env or --rev)",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10, help="steps per process (the first is left out)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -258,22 +277,32 @@ def main(argv=None) -> None:
         if not sep or not name:
             raise ValueError(f"benchmarks.step_ab: --env {kv!r}; expected NAME=VALUE")
         setting[name] = value
-    if bool(setting) == bool(args.rev):
+    fields = step_fields(args.step)  # refused here, before any process starts
+    if sum(map(bool, (setting, args.rev, fields))) != 1:
         raise ValueError(
-            "benchmarks.step_ab: give the variant's setting with --env NAME=VALUE, or revisions to time "
-            "against the working tree with --rev REV (not both)"
+            "benchmarks.step_ab: give the variant's setting with --env NAME=VALUE, revisions to time "
+            "against the working tree with --rev REV, or the step's fields with --step NAME=VALUE "
+            "(one of the three)"
+        )
+    if fields and (args.unprotected or args.attention):
+        raise ValueError(
+            "benchmarks.step_ab: --step sets the protected step's fields; not with "
+            "--unprotected or --attention"
         )
     if args.flip_every < 0:
         raise ValueError(f"benchmarks.step_ab: --flip-every {args.flip_every}; expected >= 0 (0: no flips)")
     argv = sys.argv[1:] if argv is None else list(argv)
     child_argv = ["--child", *_without_revs(a for a in argv if a != "--child")]
     child = [sys.executable, "-m", "benchmarks.step_ab", *child_argv]
+    base_child = [sys.executable, "-m", "benchmarks.step_ab", *_without_option(child_argv, "--step")]
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "autotune")
         os.mkdir(cache)
         base_env, variant_env = variant_envs(dict(os.environ), setting, cache, args.own_autotuning)
         if args.rev:
             variants = _rev_variants(args.rev, pathlib.Path(tmp), base_env, child_argv)
+        elif fields:  # one environment: the variant's child alone is given the fields
+            variants = [("base", base_child, base_env, None), (" ".join(args.step), child, base_env, None)]
         else:
             variants = [("base", child, base_env, None), (" ".join(args.env), child, variant_env, None)]
         variants = own_compile_caches(variants, None if args.no_compile_cache else pathlib.Path(tmp))
@@ -344,14 +373,52 @@ def own_compile_caches(variants: list[tuple], folder: pathlib.Path | None) -> li
 
 def _without_revs(argv) -> list[str]:
     """``argv`` less its ``--rev`` options (a child runs one package, given by its path)."""
+    return _without_option(argv, "--rev")
+
+
+def _without_option(argv, option: str) -> list[str]:
+    """``argv`` less every ``option VALUE`` and ``option=VALUE``."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--rev":
+        elif a == option:
             skip = True
-        elif not a.startswith("--rev="):
+        elif not a.startswith(option + "="):
             out.append(a)
+    return out
+
+
+def step_fields(pairs) -> dict:
+    """``--step NAME=VALUE`` options as ``benchmarks.llama3.Step`` fields, each value read by its
+    field's annotation (bool: 1/0/true/false; int: an integer; ``| None``: also none; str as
+    given). ``protect`` is not one of them: both variants are the protected step."""
+    import typing
+
+    from .llama3 import Step
+
+    hints = typing.get_type_hints(Step).items()
+    kinds = {n: getattr(a, "__name__", str(a)) for n, a in hints if n != "protect"}
+    out = {}
+    for kv in pairs:
+        name, sep, value = kv.partition("=")
+        if not sep or name not in kinds:
+            raise ValueError(
+                f"benchmarks.step_ab: --step {kv!r}; expected NAME=VALUE with NAME one of {', '.join(kinds)}"
+            )
+        kind, low = kinds[name], value.strip().lower()
+        if "None" in kind and low == "none":
+            out[name] = None
+        elif "bool" in kind:
+            if low not in ("1", "0", "true", "false"):
+                raise ValueError(f"benchmarks.step_ab: --step {kv!r}; {name} is {kind} (1, 0, true, false)")
+            out[name] = low in ("1", "true")
+        elif "int" in kind:
+            if not low.lstrip("-").isdigit():
+                raise ValueError(f"benchmarks.step_ab: --step {kv!r}; {name} is {kind}")
+            out[name] = int(low)
+        else:
+            out[name] = value
     return out
 
 

@@ -1579,7 +1579,7 @@ def test_step_ab_times_revisions_each_with_its_own_package(tmp_path, monkeypatch
     step_ab._check_package("v", f"STEP_AB_PIMLAYERS {tmp_path}/v0/pimlayers/__init__.py", tmp_path / "v0")
     with pytest.raises(RuntimeError, match="imported pimlayers from"):
         step_ab._check_package("v", f"STEP_AB_PIMLAYERS {other}/pimlayers/__init__.py", tmp_path / "v0")
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="one of the three"):
         step_ab.main(["--env", "A=1", "--rev", "HEAD"])
     assert step_ab._without_revs(["--rev", "a", "--steps", "3", "--rev=b", "--tag", "t"]) == [
         "--steps",
@@ -1587,6 +1587,87 @@ def test_step_ab_times_revisions_each_with_its_own_package(tmp_path, monkeypatch
         "--tag",
         "t",
     ]
+
+
+def test_step_ab_times_a_step_field_in_the_variants_process_alone(tmp_path, monkeypatch):
+    # The parent: one environment for both, the variant's command alone carries --step (the base's
+    # none), rows named after the fields; refused before any process starts where a field is unknown,
+    # mistyped or mixed with --env/--rev, --unprotected or --attention.
+    import json
+    import types
+
+    from benchmarks import _harness, step_ab
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    calls, real_run = [], step_ab.subprocess.run
+
+    def child(cmd, *args, env=None, **kw):
+        if "benchmarks.step_ab" not in cmd:  # the results file's git lookups
+            return real_run(cmd, *args, env=env, **kw)
+        calls.append((cmd, env.get("PIMLAYERS_CHECKS_KERNEL")))
+        out = "STEP_AB " + json.dumps({"step_seconds": [0.1, 0.1], "faults": None})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    monkeypatch.setattr(step_ab.subprocess, "run", child)
+    monkeypatch.delenv("PIMLAYERS_CHECKS_KERNEL", raising=False)
+    step_ab.main(["--step", "fused=1", "--step", "checks_kernel=true", "--rounds", "2", "--tag", "fields"])
+    assert [("--step" in c, k) for c, k in calls] == [(False, None), (True, None)] * 2
+    assert calls[1][0][-8:-4] == ["--step", "fused=1", "--step", "checks_kernel=true"]
+    assert calls[0][0][-4:] == calls[1][0][-4:] == ["--rounds", "2", "--tag", "fields"]
+    (path,) = tmp_path.glob("*-step-ab-fields-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["base", "fused=1 checks_kernel=true"] * 3
+
+    assert step_ab.step_fields(["fused=1", "recompute_kernel=none", "recompute_blocks=4", "flash=on"]) == {
+        "fused": True,
+        "recompute_kernel": None,
+        "recompute_blocks": 4,
+        "flash": "on",
+    }
+    for bad, why in [
+        ("fused=2", "fused is bool"),
+        ("recompute_blocks=x", "recompute_blocks is int | None"),
+        ("protect=0", "NAME one of fused"),
+        ("fused", "expected NAME=VALUE"),
+        ("cast_on_scrub=none", "cast_on_scrub is bool"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            step_ab.main(["--step", bad])
+    for other in (["--env", "A=1"], ["--rev", "HEAD"]):
+        with pytest.raises(ValueError, match="one of the three"):
+            step_ab.main(["--step", "fused=1", *other])
+    for other in (["--unprotected"], ["--attention", "fwd"]):
+        with pytest.raises(ValueError, match="protected step's fields"):
+            step_ab.main(["--step", "fused=1", *other])
+    assert len(calls) == 4  # nothing started by the refused runs
+
+
+def test_step_ab_child_trains_the_step_with_its_fields(monkeypatch, capsys):
+    # The child: the protected step's configuration with the fields set, and checks_kernel as the
+    # environment's switch while it trains (as the llama3 suite runs a Step), unset after.
+    import json
+
+    import train.llama3
+    from benchmarks import step_ab
+
+    seen = {}
+
+    def fake_train(cfg):
+        seen.update(cfg=cfg, kernel=os.environ.get("PIMLAYERS_CHECKS_KERNEL"))
+        return {"step_seconds": [0.2], "injected": {}, "gemm": {}, "memory": {}}
+
+    monkeypatch.setattr(train.llama3, "train", fake_train)
+    monkeypatch.delenv("PIMLAYERS_CHECKS_KERNEL", raising=False)
+    step_ab.main(
+        ["--child", "--step", "fused=1", "--step", "checks_kernel=1", "--layers", "2", "--seq", "64"]
+    )
+    cfg = seen["cfg"]
+    assert cfg.protect and cfg.fused and cfg.layers == 2 and cfg.seq == 64 and seen["kernel"] == "1"
+    assert "PIMLAYERS_CHECKS_KERNEL" not in os.environ
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("STEP_AB "))
+    assert json.loads(line[8:])["step_seconds"] == [0.2]
+    step_ab.main(["--child", "--layers", "2", "--seq", "64"])
+    assert not seen["cfg"].fused and seen["kernel"] is None
 
 
 def test_rev_ab_summary_takes_medians_over_rounds_against_the_working_tree():
