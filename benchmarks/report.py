@@ -258,9 +258,14 @@ Reading the step-ab table: `python -m benchmarks.step_ab --env NAME=VALUE` train
 (no recompute) in alternating processes without and with an environment setting that the native
 handlers read once per process (e.g. `PIMLAYERS_ABFT_ROW_KERNEL=1`: the finish's row kernel instead
 of the tile kernel; or `XLA_FLAGS=...`: XLA's own flags), sharing XLA's autotuning results between
-the processes since the first run (2026-12-03's file predates that). One row per process (its
+the processes since the first run (2026-12-03's file predates that); the protected step with its
+recompute since 2026-12-06. `--rev REV` times another revision's package against the working
+tree's, `--step NAME=VALUE` (from 2026-12-07) the default protected step against the same with
+fields of `benchmarks.llama3.Step` set (`fused=1`: the fused forward GEMM). One row per process (its
 median step), then per variant the median of all its steps; `vs_base` = the base's median / the
-variant's (> 1: the variant is faster).
+variant's (> 1: the variant is faster); from 2026-12-07 also `round_ratios` (that ratio per round),
+`faster_rounds` and `ci95_vs_base`, a 95% interval of `vs_base` by a two-level bootstrap (rounds,
+then each drawn process's steps): `resolved` when it excludes 1.
 
 Reading the rev-ab table: `python -m benchmarks.rev_ab --rev REV --case flash` (or `--case matmul`)
 times the working tree's kernels against revision REV's (or the package in folder REV, such as
