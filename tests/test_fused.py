@@ -420,6 +420,87 @@ def test_each_device_multiplies_its_own_rows(cpu_mesh, monkeypatch, rows_each, c
     assert calls["kernel"] == [(m, K)]
 
 
+@pytest.mark.parametrize("checked", [False, True])  # (the plain checks from the kernel itself)
+def test_inside_shard_map_each_device_runs_the_fused_path_on_its_rows(cpu_mesh, monkeypatch, checked):
+    """Inside ``shard_map`` (JAX's varying-axes checks on): each device's fused GEMM multiplies its
+    own 128 rows, a fault on one device's rows is detected and redone there (the tiles' XLA redo),
+    y is the clean product and the gradients the plain GEMM's split alike (the references standing
+    in for the kernel, through the same row partitioning, ``fused_rows``). Then the Hopper kernel
+    itself (a stand-in Hopper device) with the device redo: traced inside ``shard_map`` at each
+    device's rows and lowered for a GPU, forward and backward, no loop. (``fused_rows``'
+    ``custom_partitioning`` traces the kernel on its own operands' types, without the mesh's
+    varying axes, so its ``ops._vma`` typing is not what this exercises.)"""
+    # On the CPU the tiles' XLA redo (the device redo kernel would run under Pallas' interpreter,
+    # whose lowering jax refuses inside shard_map with the checks on: a `pad` of mixed varying axes).
+    policy = PLAIN_FUSED if checked else FUSED
+    name = "_fused_checked_kernel" if checked else "_fused_kernel"
+    shapes = []
+
+    def recording(kernel):
+        def call(a, b, *rest):
+            shapes.append(a.shape)
+            return kernel(a, b, *rest)
+
+        return lambda: call
+
+    monkeypatch.setattr(_protected_matmul, "_fused_kernel", lambda: _fused_gemm.fused_gemm_reference)
+    checked_ref = _fused_gemm.fused_gemm_checked_reference
+    monkeypatch.setattr(_protected_matmul, "_fused_checked_kernel", lambda: checked_ref)
+    ref = checked_ref if checked else _fused_gemm.fused_gemm_reference
+    monkeypatch.setattr(_protected_matmul, name, recording(ref))
+    n, rows = cpu_mesh.size, 128
+    x, w = _xw(m=n * rows, k=256)
+    g = jax.random.normal(jax.random.key(3), (n * rows, N)).astype(jnp.bfloat16).astype(jnp.float32)
+    clean = _plain(x, w)
+    hit = 3 * rows + 5  # the fourth device's rows
+    col = _big(clean, hit, 0, 128)
+    # One site per device, live on the fourth alone, at its local row.
+    sites = _sites([hit - 3 * rows] * n, [col] * n, [30] * n)._replace(active=jnp.arange(n) == 3)
+
+    def body(a, b, c, fl):
+        y, r = ops.protected_matmul(a, b, policy=policy, faults=fl)
+        counts = jax.tree.map(lambda v: jax.lax.psum(v, "d"), r)
+        return y, jax.lax.psum(jnp.sum(y.astype(jnp.float32) * c), "d"), counts
+
+    split = jax.shard_map(
+        body, mesh=cpu_mesh, in_specs=(P("d"), P(), P("d"), P("d")), out_specs=(P("d"), P(), P())
+    )
+    y, _, r = jax.jit(split)(x, w, g, sites)
+    assert (rows, 256) in shapes and (n * rows, 256) not in shapes  # each device's rows alone
+    d = r.to_dict()
+    assert (d["gemm_detected"], d["gemm_corrected"], d["gemm_uncorrectable"]) == (1, 1, 0)
+    _assert_redone(y, clean)
+
+    # The gradients against the plain GEMM's split the same way (w's gradient is then a sum of the
+    # devices' bf16 products either way): to a bf16 rounding, as other dot shapes sum in other orders.
+    none = sites._replace(active=jnp.zeros(n, bool))
+    loss = lambda a, b: split(a, b, g, none)[1]
+    plain = lambda a, b, c: jax.lax.psum(jnp.sum(_plain(a, b).astype(jnp.float32) * c), "d")
+    plain_split = jax.shard_map(plain, mesh=cpu_mesh, in_specs=(P("d"), P(), P("d")), out_specs=P())
+    got = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    want = jax.jit(jax.grad(lambda a, b: plain_split(a, b, g), (0, 1)))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-7, atol=1e-6
+        )
+
+    # The kernel itself, traced inside shard_map with the checks on and lowered for a GPU, with the
+    # device redo (a Triton kernel there) as a GPU's default takes it.
+    for mod in (_fused_gemm, _protected_matmul):
+        monkeypatch.setattr(mod, "hopper", lambda: True)
+    monkeypatch.setattr(_fused_gemm, "_sm_count", lambda: 132)
+    real = _fused_gemm.fused_gemm_checked if checked else _fused_gemm.fused_gemm
+    shapes.clear()
+    monkeypatch.setattr(_protected_matmul, name, recording(real))
+    policy = policy.replace(recompute_kernel=True)
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert (rows, 256) in shapes and (n * rows, 256) not in shapes
+    if checked:  # dx = dy @ wᵀ takes the checked kernel too, at each device's rows of dy
+        assert (rows, N) in shapes
+    assert text.count("__gpu$xla.gpu.triton") == 2  # the redo of y and of dx, no loop
+    assert "stablehlo.while" not in text
+
+
 def test_under_vmap_each_gemm_is_checked_and_redone_alone(fused):
     """vmap over two x with one w (the kernel vmapped whole): a fault in the second GEMM's batch
     element is redone there; the first is untouched."""
