@@ -36,7 +36,10 @@ H100 (2026-12-05) the 4-layer Llama-3-8B-dims training step took 116.1 ms with i
 loop and 117.1 recomputing nothing; the forward GEMM at 8192 x 4096 -> 1024 (128-column blocks)
 0.190 ms against 0.433 with the loop. bf16 and f16 operands (an f32 GEMM keeps the loop: Triton's
 f32 dot would need its slow IEEE mode to stay inside the bound). On a CPU the loop stays the
-default; there the kernel runs under Pallas' interpreter (``recompute_kernel=True``: tests; slow).
+default; there the kernel runs under Pallas' interpreter (``recompute_kernel=True``: tests; slow),
+which jax (0.10.2, 0.11.2) cannot lower inside ``shard_map`` with its varying-axes checks on (it
+refuses a ``pad`` of operands that vary over different mesh axes, and names ``check_vma=False`` as
+the way round); a GPU's compiled kernel lowers there (``tests/test_flash.py``, ``tests/test_fused.py``).
 """
 
 from __future__ import annotations
