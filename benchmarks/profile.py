@@ -13,6 +13,8 @@ python -m benchmarks.profile --compare benchmarks/results/<on>.json benchmarks/r
     --save TAG                     # two saved op tables side by side: what protection adds, per op
 python -m benchmarks.profile --compare <profile-protect fused>.json <profile-protect default>.json
                                    # two kernel tables (two configurations on one card), per kernel
+python -m benchmarks.profile --layers 4 --remat-policy gemms --no-command-buffers --top 200 \
+    --pair --save TAG              # both steps on this card, then --compare of the two: TAG{on,off}, TAG
 
 Two runs of the script are traced, one of 1 step and one of 1 + ``--steps``; each kernel's time in
 the first is subtracted from the second and divided by ``--steps``: what a step costs, with the
@@ -45,7 +47,12 @@ ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection 
 two kernel tables instead (``profile-protect`` / ``profile-off`` files, which a run saves with or
 without ``--hlo-dump``), it sets them side by side per kernel (``profile-compare-kernels``).
 ``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op
-table (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. On a CPU there is no
+table (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. ``--pair`` profiles
+both steps on one card in one command, each as above (three processes each, under ``--out``'s
+``on`` and ``off``): the protected step as the other options give it and the unprotected one with
+cuDNN's attention (``--flash on``; the protected step's own options left out), both with
+``--hlo-dump``; then it compares their op tables as ``--compare`` does (with ``--save TAG``: the
+steps' tables as TAGon and TAGoff, the comparison and its categories as TAG). On a CPU there is no
 device timeline, so the host's XLA op events are summed instead (the runtime, compiler and Python
 frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -891,6 +898,76 @@ def run_command(argv: list[str], out: pathlib.Path, name: str) -> list[str]:
     return [sys.executable, "-m", "benchmarks.profile", *argv, "--out", str(out), "--run", name]
 
 
+# Options of the protected step alone (flags, and options with a value), left out of --pair's
+# unprotected one, with those --pair sets itself for each.
+_PROTECTED_FLAGS = ("--protect", "--fused", "--no-recompute", "--no-cast-on-scrub", "--no-fused-update")
+_PAIR_FLAGS = ("--pair", "--hlo-dump")
+_PAIR_VALUES = ("--out", "--run", "--save", "--flash")
+
+
+def pair_commands(argv: list[str], out: pathlib.Path, tag: str | None) -> dict[str, list[str]]:
+    """``--pair``'s two profiles: ``{"on": command, "off": command}``, this script with the caller's
+    arguments, each with ``--hlo-dump``, a folder of its own under ``out`` and (with a ``tag``) its
+    results saved as ``tag`` + on / off. "on" is the protected step as the caller gave it (its
+    ``--flash`` kept); "off" the unprotected step with cuDNN's attention, the protected step's own
+    options (``--protect``, ``--fused``, ``--redo-blocks`` ...) left out."""
+
+    def without(args: list[str], flags, values) -> list[str]:
+        kept, skip = [], False
+        for a in args:
+            if skip:
+                skip = False
+            elif a in values:
+                skip = True
+            elif a not in flags and not any(a.startswith(v + "=") for v in values):
+                kept.append(a)
+        return kept
+
+    common = without(argv, _PAIR_FLAGS, (*_PAIR_VALUES, "--redo-blocks"))
+    on = without(argv, _PAIR_FLAGS, ("--out", "--run", "--save"))
+    on = on if "--protect" in on else [*on, "--protect"]
+    off = [*without(common, _PROTECTED_FLAGS, ()), "--flash", "on"]
+    cmds = {}
+    for name, args in (("on", on), ("off", off)):
+        save = ["--save", f"{tag}{name}"] if tag is not None else []
+        cmds[name] = [
+            sys.executable,
+            "-m",
+            "benchmarks.profile",
+            *args,
+            "--hlo-dump",
+            "--out",
+            str(out / name),
+            *save,
+        ]
+    return cmds
+
+
+def _pair(argv: list[str], out: pathlib.Path, args) -> None:
+    """``--pair``: both profiles (``pair_commands``), each a process of its own, then their op tables
+    side by side per op and per category (``compare``, ``compare_categories``), printed and, with
+    ``--save TAG``, saved as TAG."""
+    sources = {}
+    for name, cmd in pair_commands(argv, out, args.save).items():
+        done = subprocess.run(cmd, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"benchmarks.profile --pair: the {name} profile failed (exit {done.returncode})"
+            )
+        summary = json.loads((out / name / "summary.json").read_text())
+        sources[name] = result_tables(summary, name == "on")["profile-sources"]
+    rows = compare(sources["on"], sources["off"])
+    cats = compare_categories(sources["on"], sources["off"])
+    if args.save is not None:
+        command = "python -m benchmarks.profile " + shlex.join(argv)
+        note = args.note or f"the profiles {args.save}on against {args.save}off of this command"
+        for suite, table in (("profile-compare", rows), ("profile-categories", cats)):
+            print(f"wrote {write_result(suite, table, command, tag=args.save, note=note)}")
+    print(f"{'added ms':>9} {'on ms':>8} {'off ms':>8}  category (per step)")
+    for r in cats:
+        print(f"{r['added_ms']:9.2f} {r['protect_ms']:8.2f} {r['off_ms']:8.2f}  {r['category']}")
+
+
 def one_run(args, out: pathlib.Path, name: str) -> None:
     """One of the profile's runs (``RUNS``) in this process: the training script for one step
     ("warm", "base") or 1 + ``--steps`` ("trace"), the last two under JAX's profiler."""
@@ -1011,6 +1088,12 @@ def main() -> None:
         help="one of the three runs only, in this process (the profile starts each so, under --out)",
     )
     ap.add_argument(
+        "--pair",
+        action="store_true",
+        help="profile the protected step and the unprotected one (cuDNN's attention), each with "
+        "--hlo-dump, then compare their op tables (with --save TAG: TAGon, TAGoff and TAG)",
+    )
+    ap.add_argument(
         "--compare",
         nargs=2,
         metavar=("PROTECT", "OFF"),
@@ -1018,6 +1101,8 @@ def main() -> None:
         "(profile-protect / profile-off files) per kernel (with --save: a results file)",
     )
     args = ap.parse_args()
+    if args.pair and (args.compare or args.run):
+        raise ValueError("benchmarks.profile --pair: not with --compare or --run (it makes both profiles)")
     if args.compare:
         tables = [json.loads(pathlib.Path(f).read_text()) for f in args.compare]
         note = args.note or f"{args.compare[0]} against {args.compare[1]}"
@@ -1057,6 +1142,8 @@ def main() -> None:
             )
         return
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
+    if args.pair:
+        return _pair(sys.argv[1:], out, args)
     dump = out / "hlo"
     flags = ([f"--xla_dump_to={dump}"] if args.hlo_dump else []) + (
         ["--xla_gpu_enable_command_buffer="] if args.no_command_buffers else []

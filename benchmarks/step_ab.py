@@ -392,7 +392,10 @@ def _without_option(argv, option: str) -> list[str]:
 def step_fields(pairs) -> dict:
     """``--step NAME=VALUE`` options as ``benchmarks.llama3.Step`` fields, each value read by its
     field's annotation (bool: 1/0/true/false; int: an integer; ``| None``: also none; str as
-    given). ``protect`` is not one of them: both variants are the protected step."""
+    given). ``protect`` is not one of them: both variants are the protected step. (The parent
+    imports the training script's modules only for these: it starts no backend either way.)"""
+    if not pairs:
+        return {}
     import typing
 
     from .llama3 import Step

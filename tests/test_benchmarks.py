@@ -2059,6 +2059,74 @@ def test_profile_runs_each_run_in_a_process_of_its_own(monkeypatch, tmp_path, ca
     assert calls == [] and runs == [(tmp_path, "base")]
 
 
+def test_profile_pair_profiles_both_steps_then_compares_them(monkeypatch, tmp_path, capsys):
+    """``--pair``: the protected step as given and the unprotected one with cuDNN's attention (the
+    protected step's options left out), each a profile of its own with --hlo-dump under --out's on
+    and off, saved as TAGon / TAGoff; then their op tables compared, saved as TAG. A failed profile
+    stops it, named."""
+    import json
+    import pathlib
+    import types
+
+    from benchmarks import _harness, profile
+
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path / "results")
+    gemm = {"ms": 8.0, "share": 0.8, "count": 1, "cublas_ms": 8.0, "cublas_count": 1}
+    summaries = {
+        "on": [("pimlayers.abft_checks/dot_general", {"ms": 2.0, "share": 0.2, "count": 3})],
+        "off": [],
+    }
+    calls, real_run = [], profile.subprocess.run
+
+    def child(cmd, *a, check=False, **kw):
+        if "benchmarks.profile" not in cmd:  # the results file's git lookups
+            return real_run(cmd, *a, check=check, **kw)
+        calls.append(cmd)
+        name = pathlib.Path(cmd[cmd.index("--out") + 1]).name
+        ops = [*summaries[name], ("pimlayers.flax.nnx.LlamaMLP.up/dot_general", gemm)]
+        total = sum(o["ms"] for _, o in ops)
+        summary = {
+            "total_ms": total,
+            "events": 4,
+            "kernels": [],
+            "sources": [{"name": n, **o} for n, o in ops],
+        }
+        (tmp_path / "p" / name).mkdir(parents=True)
+        (tmp_path / "p" / name / "summary.json").write_text(json.dumps(summary))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(profile.subprocess, "run", child)
+    argv = ["--layers", "4", "--fused", "--redo-blocks", "2", "--flash", "auto", "--out", str(tmp_path / "p")]
+    monkeypatch.setattr("sys.argv", ["profile", *argv, "--pair", "--save", "t"])
+    profile.main()
+    head = [sys.executable, "-m", "benchmarks.profile", "--layers", "4"]
+    on = [*head, "--fused", "--redo-blocks", "2", "--flash", "auto", "--protect", "--hlo-dump"]
+    assert calls[0] == [*on, "--out", str(tmp_path / "p" / "on"), "--save", "ton"]
+    assert calls[1] == [
+        *head,
+        "--flash",
+        "on",
+        "--hlo-dump",
+        "--out",
+        str(tmp_path / "p" / "off"),
+        "--save",
+        "toff",
+    ]
+    saved = {f.name.split("-", 3)[-1]: json.loads(f.read_text()) for f in (tmp_path / "results").iterdir()}
+    cats = saved["profile-categories-t-cpu-cpu.json"]["rows"]
+    assert {r["category"]: r["added_ms"] for r in cats} == {"check GEMMs": 2.0, "GEMMs": 0.0}
+    assert saved["profile-compare-t-cpu-cpu.json"]["rows"][0]["added_ms"] == 2.0  # the totals
+    assert "check GEMMs" in capsys.readouterr().out
+    for bad in (["--run", "base"], ["--compare", "a", "b"]):
+        monkeypatch.setattr("sys.argv", ["profile", "--pair", *bad])
+        with pytest.raises(ValueError, match="not with --compare or --run"):
+            profile.main()
+    monkeypatch.setattr(profile.subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(returncode=2))
+    monkeypatch.setattr("sys.argv", ["profile", "--pair", "--out", str(tmp_path / "q")])
+    with pytest.raises(RuntimeError, match=r"the on profile failed \(exit 2\)"):
+        profile.main()
+
+
 def test_profile_compare_saves_under_the_tables_device_and_refuses_a_mismatch(monkeypatch, tmp_path):
     """A comparison built on this machine from GPU tables is a GPU table (its file name and fields
     say where the numbers were measured); tables of two devices, or not op tables, are refused."""
