@@ -48,6 +48,11 @@ Reading the fused-tiling table (`python -m benchmarks.run --suite fused-tiling`,
 fused GEMM (`FaultPolicy(fused=True)`'s forward kernel) under each `FusedConfig` tiling, each checked
 against its reference before timing; `ratio` is XLA's GEMM time / the fused kernel's (> 1: the
 fused kernel, block sums and all, is faster); `default` marks the tiling the library uses. The
+flash-tiling table (`python -m benchmarks.run --suite flash-tiling`, Hopper) does the same for the
+verified flash attention's forward kernel (`ops.flash_attention`, with its checks and without)
+under each `FlashConfig` tiling at goal 2's shape against cuDNN's flash attention: `ratio` is
+cuDNN's time / the kernel's, `max_check` the largest check ratio on clean inputs (at most 1), and a
+tiling that does not build has its `error` instead of a time. The
 `profile-compare-kernels` tables (`python -m benchmarks.profile --compare` of two `profile-protect`
 or `profile-off` files) set two configurations' steps on one card side by side per kernel:
 `diff_ms` = first - second.

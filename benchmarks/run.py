@@ -23,6 +23,7 @@ python -m benchmarks.run --suite llama3 --layers 4 --steps 6 --also-remat gemms_
                                                      # also keeping the bf16 kernels, side by side
 python -m benchmarks.run --suite matmul-parts            # where a protected GEMM's time goes
 python -m benchmarks.run --suite fused-tiling            # Hopper: the fused GEMM's tilings vs XLA's GEMM
+python -m benchmarks.run --suite flash-tiling            # Hopper: the verified attention's tilings vs cuDNN
 python -m benchmarks.run --suite encode                  # the weight encodes' rates (pair, rows, transposed)
 python -m benchmarks.run --suite update --layers 4       # AdamW's step + encode, fused and not, vs the step
 python -m benchmarks.run --suite finish --layers 4       # abft_finish at every product the step checks
@@ -55,6 +56,7 @@ from . import (
     cpu_kernels,
     dispatch,
     finish,
+    flash_tiling,
     fused_tiling,
     launch,
     llama3,
@@ -75,6 +77,7 @@ def main() -> None:
         "matmul",
         "matmul-parts",
         "fused-tiling",
+        "flash-tiling",
         "cpu-kernels",
         "encode",
         "finish",
@@ -207,6 +210,7 @@ def main() -> None:
         ),
         ("matmul-parts", lambda: matmul.parts(m=args.m, dtype=dtype)),
         ("fused-tiling", lambda: fused_tiling.run(m=args.m)),
+        ("flash-tiling", flash_tiling.run),
         ("cpu-kernels", lambda: cpu_kernels.run(m=args.m, shapes=shapes, dtype=dtype)),
         ("encode", lambda: matmul.encodes(dtype=dtype)),
         ("finish", lambda: finish.run(m=args.m, dtype=dtype, layers=args.layers)),
@@ -243,9 +247,9 @@ def main() -> None:
             ),
         ),
     ):
-        # Not in "all": cpu-kernels (a CPU A/B), checks and fused-tiling (grid sweeps for the kernels'
-        # design).
-        grids = ("cpu-kernels", "checks", "fused-tiling")
+        # Not in "all": cpu-kernels (a CPU A/B), checks, fused-tiling and flash-tiling (grid sweeps
+        # for the kernels' design).
+        grids = ("cpu-kernels", "checks", "fused-tiling", "flash-tiling")
         if args.suite == name or (args.suite == "all" and name not in grids):
             rows = run()
             if not rows:

@@ -2411,6 +2411,68 @@ def test_matmul_suite_and_parts_time_the_fused_plain_checks_as_on_a_hopper_gpu(m
     assert row["ratio_fused_c1"] == row["plain_ms"] / 4.0
 
 
+def test_flash_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
+    import functools
+
+    from benchmarks import flash_tiling
+    from pimlayers.ops import _flash
+
+    assert flash_tiling.run() == []  # not a Hopper GPU: nothing to time
+    grid = flash_tiling.configs()
+    assert grid[0] == _flash.FlashConfig() and len(set(grid)) == len(grid) == 12
+    # Every tiling takes goal 2's shape (B = 1, T = 8192, 32/8 heads, D = 128, causal).
+    a = flash_tiling.ATTN
+    qs, ks = (a["b"], a["t"], a["h"], a["d"]), (a["b"], a["t"], a["kv"], a["d"])
+    assert all(_flash.flash_supported(qs, ks, jnp.bfloat16, True, c) for c in grid)
+    # A CPU runs no Mosaic kernel: the suite's logic around it, with the reference standing in for
+    # the kernel, XLA's attention for cuDNN's and a fixed timing. Each tiling is checked, then
+    # timed (with its checks, and once without them where fuse_e changes nothing); one that does
+    # not build gets its error and no time; the default is marked.
+    ref = lambda q, k, v, checks=True, config=None: _flash.flash_attention_reference(q, k, v, config=config)
+
+    def kernel(q, k, v, checks=True, config=None):
+        if config.stages == 4 and config.block_kv == 128:
+            raise ValueError("shared memory: 240 KiB asked for, 227 KiB there")
+        out, lse, ratios = ref(q, k, v, config=config)
+        return out, lse, ratios if checks else None
+
+    monkeypatch.setattr(_flash, "hopper", lambda: True)
+    monkeypatch.setattr("pimlayers.ops.flash_attention", kernel)
+    monkeypatch.setattr(flash_tiling, "time_pair", lambda f, fa, g, ga, **kw: (2e-3, 4e-3, 0.5))
+    xla = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation, **kw: xla(*a, **kw))
+    # (jax's own attention promotes bf16 with f32 inside, which the suite's strict promotion refuses)
+    standard = functools.partial(jax.numpy_dtype_promotion, "standard")
+    with standard():
+        rows = flash_tiling.run(t=256, h=4, kv=2)
+    verified = [r for r in rows if r["kernel"] == "verified"]
+    off = [r for r in rows if r["kernel"] == "checks off"]
+    assert len(verified) == 12 and len(off) == 6
+    failed = [r for r in rows if "error" in r]
+    assert len(failed) == 3 and all("shared memory" in r["error"] and "ms" not in r for r in failed)
+    timed = [r for r in rows if "error" not in r]
+    assert {r["ratio"] for r in timed} == {0.5} and timed[0]["cudnn_ms"] == 2.0 and timed[0]["ms"] == 4.0
+    assert [r["default"] for r in rows].count(True) == 2 and rows[0]["default"]  # verified and not
+    assert all(r["max_check"] <= 1.0 for r in timed if r["kernel"] == "verified")
+
+    # A kernel whose output is off, or that flags clean rows, is refused before any timing.
+    def wrong(q, k, v, checks=True, config=None):
+        out, lse, ratios = kernel(q, k, v, checks, config)
+        return out * 1.1, lse, ratios
+
+    monkeypatch.setattr("pimlayers.ops.flash_attention", wrong)
+    with standard(), pytest.raises(AssertionError, match="max \\|out - XLA\\|"):
+        flash_tiling.run(t=256, h=4, kv=2)
+
+    def flags(q, k, v, checks=True, config=None):
+        out, lse, ratios = kernel(q, k, v, checks, config)
+        return out, lse, None if ratios is None else ratios._replace(out=ratios.out + 2.0)
+
+    monkeypatch.setattr("pimlayers.ops.flash_attention", flags)
+    with standard(), pytest.raises(AssertionError, match="clean inputs flagged"):
+        flash_tiling.run(t=256, h=4, kv=2)
+
+
 def test_fused_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
     from benchmarks import fused_tiling
     from pimlayers.ops import _fused_gemm
