@@ -47,12 +47,13 @@ ops, the parameter memory's kernels, the rest; ``CATEGORIES``), what protection 
 two kernel tables instead (``profile-protect`` / ``profile-off`` files, which a run saves with or
 without ``--hlo-dump``), it sets them side by side per kernel (``profile-compare-kernels``).
 ``--save TAG`` also writes the kernel table (``profile-protect`` or ``profile-off``) and the op
-table (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md. ``--pair`` profiles
-both steps on one card in one command, each as above (three processes each, under ``--out``'s
-``on`` and ``off``): the protected step as the other options give it and the unprotected one with
-cuDNN's attention (``--flash on``; the protected step's own options left out), both with
-``--hlo-dump``; then it compares their op tables as ``--compare`` does (with ``--save TAG``: the
-steps' tables as TAGon and TAGoff, the comparison and its categories as TAG). On a CPU there is no
+table (``profile-sources``) to ``benchmarks/results/`` for docs/benchmarks.md, their note ending
+with each run's wall time (from 2026-12-07's sixty-third session: what the compile cache saves).
+``--pair`` profiles both steps on one card in one command, each as above (three processes each,
+under ``--out``'s ``on`` and ``off``): the protected step as the other options give it and the
+unprotected one with cuDNN's attention (``--flash on``; the protected step's own options left out),
+both with ``--hlo-dump``; then it compares their op tables as ``--compare`` does (with ``--save
+TAG``: the steps' tables as TAGon and TAGoff, the comparison and its categories as TAG). On a CPU there is no
 device timeline, so the host's XLA op events are summed instead (the runtime, compiler and Python
 frames left out): good enough to see the ops, not a GPU measurement.
 """
@@ -888,6 +889,13 @@ def measured_on(tables: list[dict], paths: list[str]) -> dict[str, str]:
 RUNS = ("warm", "base", "trace")
 
 
+def saved_note(note: str, run_seconds: dict[str, float]) -> str:
+    """A saved table's note: the caller's, then each run's wall time (what the compile cache saves
+    shows in the results file, not only in the printout)."""
+    runs = ", ".join(f"{name} {sec:.1f} s" for name, sec in run_seconds.items())
+    return "; ".join(x for x in (note, f"the profile's runs (wall time): {runs}" if runs else "") if x)
+
+
 def run_command(argv: list[str], out: pathlib.Path, name: str) -> list[str]:
     """The command of one run: this script with the caller's arguments, its folder and ``--run``."""
     argv = list(argv)
@@ -1183,8 +1191,9 @@ def main() -> None:
     s.update(command=command, run_seconds=run_seconds)
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     if args.save is not None:
+        note = saved_note(args.note, run_seconds)
         for suite, rows in result_tables(s, args.protect).items():
-            print(f"wrote {write_result(suite, rows, command, tag=args.save, note=args.note)}")
+            print(f"wrote {write_result(suite, rows, command, tag=args.save, note=note)}")
     print(
         f"{s['timeline']} time per step: {s['total_ms']:.1f} ms in {s['events']:.0f} events "
         f"(runs of 1 and {1 + args.steps} steps; {out})"

@@ -2057,6 +2057,12 @@ def test_profile_runs_each_run_in_a_process_of_its_own(monkeypatch, tmp_path, ca
     monkeypatch.setattr("sys.argv", ["profile", "--layers", "2", "--out", str(tmp_path), "--run", "base"])
     profile.main()
     assert calls == [] and runs == [(tmp_path, "base")]
+    # The saved tables' note keeps each run's wall time after the caller's note.
+    seconds = {"warm": 80.25, "base": 30.0, "trace": 41.04}
+    want = "the profile's runs (wall time): warm 80.2 s, base 30.0 s, trace 41.0 s"
+    assert profile.saved_note("", seconds) == want
+    assert profile.saved_note("s63", seconds) == "s63; " + want
+    assert profile.saved_note("s63", {}) == "s63" and profile.saved_note("", {}) == ""
 
 
 def test_profile_pair_profiles_both_steps_then_compares_them(monkeypatch, tmp_path, capsys):
