@@ -492,7 +492,7 @@ def test_inside_shard_map_each_device_runs_the_fused_path_on_its_rows(cpu_mesh, 
     real = _fused_gemm.fused_gemm_checked if checked else _fused_gemm.fused_gemm
     shapes.clear()
     monkeypatch.setattr(_protected_matmul, name, recording(real))
-    policy = policy.replace(recompute_kernel=True)
+    policy = policy.replace(recompute_kernel=True)  # body reads it when traced
     text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert (rows, 256) in shapes and (n * rows, 256) not in shapes
     if checked:  # dx = dy @ wᵀ takes the checked kernel too, at each device's rows of dy
