@@ -297,6 +297,20 @@ def source_digest(root: pathlib.Path = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
+def without_options(argv, flags=(), values=()) -> list[str]:
+    """``argv`` less each flag in ``flags`` and each option in ``values`` with its value (``--opt
+    VALUE`` or ``--opt=VALUE``): a child process's command built from its parent's."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in values:
+            skip = True
+        elif a not in flags and not any(a.startswith(v + "=") for v in values):
+            kept.append(a)
+    return kept
+
+
 def command_line(module: str = "benchmarks.run", argv: list[str] | None = None) -> str:
     """The command that ran ``module`` (with XLA_FLAGS where set), as a results file records it:
     its arguments ``argv`` where a caller passed them to ``main(argv)``, else the process's."""

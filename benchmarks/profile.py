@@ -92,7 +92,7 @@ except ImportError:
 
 from models.llama3 import REMAT_POLICIES
 
-from ._harness import write_result
+from ._harness import without_options, write_result
 
 
 @functools.lru_cache(maxsize=4)  # _sums and _idle read the same (large) trace
@@ -898,11 +898,7 @@ def saved_note(note: str, run_seconds: dict[str, float]) -> str:
 
 def run_command(argv: list[str], out: pathlib.Path, name: str) -> list[str]:
     """The command of one run: this script with the caller's arguments, its folder and ``--run``."""
-    argv = list(argv)
-    for flag in ("--out", "--run"):  # the caller's own (a folder it named, or none), replaced
-        while flag in argv:
-            i = argv.index(flag)
-            del argv[i : i + 2]
+    argv = without_options(argv, values=("--out", "--run"))  # the caller's own (a folder it named), replaced
     return [sys.executable, "-m", "benchmarks.profile", *argv, "--out", str(out), "--run", name]
 
 
@@ -920,21 +916,10 @@ def pair_commands(argv: list[str], out: pathlib.Path, tag: str | None) -> dict[s
     ``--flash`` kept); "off" the unprotected step with cuDNN's attention, the protected step's own
     options (``--protect``, ``--fused``, ``--redo-blocks`` ...) left out."""
 
-    def without(args: list[str], flags, values) -> list[str]:
-        kept, skip = [], False
-        for a in args:
-            if skip:
-                skip = False
-            elif a in values:
-                skip = True
-            elif a not in flags and not any(a.startswith(v + "=") for v in values):
-                kept.append(a)
-        return kept
-
-    common = without(argv, _PAIR_FLAGS, (*_PAIR_VALUES, "--redo-blocks"))
-    on = without(argv, _PAIR_FLAGS, ("--out", "--run", "--save"))
+    common = without_options(argv, _PAIR_FLAGS, (*_PAIR_VALUES, "--redo-blocks"))
+    on = without_options(argv, _PAIR_FLAGS, ("--out", "--run", "--save"))
     on = on if "--protect" in on else [*on, "--protect"]
-    off = [*without(common, _PROTECTED_FLAGS, ()), "--flash", "on"]
+    off = [*without_options(common, _PROTECTED_FLAGS, ()), "--flash", "on"]
     cmds = {}
     for name, args in (("on", on), ("off", off)):
         save = ["--save", f"{tag}{name}"] if tag is not None else []

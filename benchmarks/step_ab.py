@@ -69,7 +69,7 @@ import tempfile
 
 import numpy as np
 
-from ._harness import ROOT, command_line, write_result
+from ._harness import ROOT, command_line, without_options, write_result
 
 __all__ = ["main", "summarize", "variant_envs"]
 
@@ -294,7 +294,12 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     child_argv = ["--child", *_without_revs(a for a in argv if a != "--child")]
     child = [sys.executable, "-m", "benchmarks.step_ab", *child_argv]
-    base_child = [sys.executable, "-m", "benchmarks.step_ab", *_without_option(child_argv, "--step")]
+    base_child = [
+        sys.executable,
+        "-m",
+        "benchmarks.step_ab",
+        *without_options(child_argv, values=("--step",)),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "autotune")
         os.mkdir(cache)
@@ -373,20 +378,7 @@ def own_compile_caches(variants: list[tuple], folder: pathlib.Path | None) -> li
 
 def _without_revs(argv) -> list[str]:
     """``argv`` less its ``--rev`` options (a child runs one package, given by its path)."""
-    return _without_option(argv, "--rev")
-
-
-def _without_option(argv, option: str) -> list[str]:
-    """``argv`` less every ``option VALUE`` and ``option=VALUE``."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == option:
-            skip = True
-        elif not a.startswith(option + "="):
-            out.append(a)
-    return out
+    return without_options(argv, values=("--rev",))
 
 
 def step_fields(pairs) -> dict:
