@@ -14,7 +14,8 @@ with ``FaultPolicy(recompute=False)``, as the tool ran before 2026-12-06's fifty
 but the first (which compiles: the training script leaves it out); ``--flip-every`` sets how often
 parameter flips are injected (5, as the suite; in 6-step runs of the 4-layer step on an H100,
 2026-12-06, each process's one repair step took ~230 ms against ~110, so short runs want 0). The
-rows give each process's median step (and its steps, and what it injected and detected) and, per
+rows give each process's median step (and its steps, what it injected and detected, and the host's
+time in each step's call, ``calls_ms``: near the step time, the host waited inside the call) and, per
 variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
 (> 1: faster), its ratio in each round and a 95% bootstrap interval that counts the spread between
 processes (``summarize``): whether the run resolves the difference. On an H200 (2026-12-03) the
@@ -140,7 +141,11 @@ def _child(args) -> None:
     # What each process injected and what its checks did with it: a setting that changed the
     # results (not only the time) shows here.
     faults = {k: s[k] for k in ("injected", "gemm", "memory")}
-    print("STEP_AB " + json.dumps({"step_seconds": [float(t) for t in s["step_seconds"]], "faults": faults}))
+    # The host's time in each step's call (the training script's call_seconds): near the step
+    # time, the host waited inside the call (a branch or loop on a GPU reads its predicate there).
+    res = {"step_seconds": [float(t) for t in s["step_seconds"]], "faults": faults}
+    res["call_seconds"] = [float(t) for t in s["call_seconds"]]
+    print("STEP_AB " + json.dumps(res))
 
 
 def summarize(runs: list[tuple[str, int, list[float]]], resamples: int = 2000) -> list[dict]:
@@ -311,7 +316,7 @@ def main(argv=None) -> None:
         else:
             variants = [("base", child, base_env, None), (" ".join(args.env), child, variant_env, None)]
         variants = own_compile_caches(variants, None if args.no_compile_cache else pathlib.Path(tmp))
-        runs, faults = [], []
+        runs, faults, calls = [], [], []
         for r in range(args.rounds):
             for name, cmd, env, tree in variants:
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -324,20 +329,23 @@ def main(argv=None) -> None:
                 steps = res["step_seconds"]  # the compiling one left out
                 runs.append((name, r, steps))
                 faults.append(res.get("faults"))  # None from the attention child
+                calls.append(res.get("call_seconds"))  # None from the attention child
                 med = 1e3 * np.median(steps)
                 print(f"round {r} {name}: median step {med:.2f} ms over {len(steps)} steps", flush=True)
                 if res.get("faults"):
                     print(f"  faults: {json.dumps(res['faults'])}", flush=True)
     rows = summarize(runs)
-    for row, f in zip(rows, faults, strict=False):  # the per-process rows come first
+    for row, f, c in zip(rows, faults, calls, strict=False):  # the per-process rows come first
         if f:
             row["faults"] = f
+        if c:
+            row["calls_ms"] = [round(1e3 * x, 3) for x in c]
     for row in rows:
         print(
             "  ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in row.items()
-                if k not in ("steps_ms", "faults", "round_ratios", "ci95_vs_base")
+                if k not in ("steps_ms", "calls_ms", "faults", "round_ratios", "ci95_vs_base")
             )
         )
         if "ci95_vs_base" in row:

@@ -1520,9 +1520,10 @@ def test_step_ab_times_the_attention_core_per_variant(tmp_path, monkeypatch, cap
     assert "round 0 base: median step" in capsys.readouterr().out
 
 
-def test_step_ab_keeps_each_process_fault_counts_with_its_row(tmp_path, monkeypatch, capsys):
+def test_step_ab_keeps_each_process_fault_counts_and_calls_with_its_row(tmp_path, monkeypatch, capsys):
     # The parent's side alone (a training child takes ~25 s on a CPU): what each child reports it
-    # injected and caught lands in that child's row and its printout; the pooled rows carry none.
+    # injected and caught, and its calls' host times, land in that child's row (the faults in its
+    # printout too); the pooled rows carry neither.
     import json
     import types
 
@@ -1536,16 +1537,17 @@ def test_step_ab_keeps_each_process_fault_counts_with_its_row(tmp_path, monkeypa
             return real_run(cmd, *args, **kw)
         n = next(seen)
         faults = {"injected": {"gemm_injected": n}, "gemm": {"gemm_detected": n}, "memory": {}}
-        out = "STEP_AB " + json.dumps({"step_seconds": [0.1, 0.1 + n / 1e3], "faults": faults})
-        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+        res = {"step_seconds": [0.1, 0.1 + n / 1e3], "faults": faults, "call_seconds": [n / 1e3, 0.001]}
+        return types.SimpleNamespace(returncode=0, stdout="STEP_AB " + json.dumps(res), stderr="")
 
     monkeypatch.setattr(step_ab.subprocess, "run", child)
     step_ab.main(["--env", "PIMLAYERS_TEST_AB=1", "--rounds", "2", "--tag", "faults"])
     (path,) = tmp_path.glob("*-step-ab-faults-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert [r["faults"]["gemm"]["gemm_detected"] for r in rows[:4]] == [1, 2, 3, 4]
+    assert [r["calls_ms"] for r in rows[:4]] == [[n, 1.0] for n in (1.0, 2.0, 3.0, 4.0)]
     assert [r["variant"] for r in rows[:4]] == ["base", "PIMLAYERS_TEST_AB=1"] * 2
-    assert all("faults" not in r for r in rows[4:])
+    assert all("faults" not in r and "calls_ms" not in r for r in rows[4:])
     assert '"gemm_detected": 3' in capsys.readouterr().out
 
 
@@ -1654,7 +1656,7 @@ def test_step_ab_child_trains_the_step_with_its_fields(monkeypatch, capsys):
 
     def fake_train(cfg):
         seen.update(cfg=cfg, kernel=os.environ.get("PIMLAYERS_CHECKS_KERNEL"))
-        return {"step_seconds": [0.2], "injected": {}, "gemm": {}, "memory": {}}
+        return {"step_seconds": [0.2], "call_seconds": [0.01], "injected": {}, "gemm": {}, "memory": {}}
 
     monkeypatch.setattr(train.llama3, "train", fake_train)
     monkeypatch.delenv("PIMLAYERS_CHECKS_KERNEL", raising=False)
@@ -1665,7 +1667,8 @@ def test_step_ab_child_trains_the_step_with_its_fields(monkeypatch, capsys):
     assert cfg.protect and cfg.fused and cfg.layers == 2 and cfg.seq == 64 and seen["kernel"] == "1"
     assert "PIMLAYERS_CHECKS_KERNEL" not in os.environ
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("STEP_AB "))
-    assert json.loads(line[8:])["step_seconds"] == [0.2]
+    res = json.loads(line[8:])
+    assert res["step_seconds"] == [0.2] and res["call_seconds"] == [0.01]
     step_ab.main(["--child", "--layers", "2", "--seq", "64"])
     assert not seen["cfg"].fused and seen["kernel"] is None
 
