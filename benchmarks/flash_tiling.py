@@ -5,7 +5,8 @@ protected attention core's forward kernel: both GEMMs' checksums verified inside
 tiling of :func:`configs` at goal 2's shape (B = 1, T = 8192, 32 query / 8 KV heads, D = 128,
 causal, bf16) against ``jax.nn.dot_product_attention(..., implementation="cudnn")``, the two in
 alternating batches (``_harness.time_pair``); and the same kernel without its checks
-(``checks=False``) under each tiling where the checks' own layout (``fuse_e``) does not matter.
+(``checks=False``) under each tiling where the checks' own layout (``fuse_e``, ``fuse_v``) does not
+matter.
 Before it is timed each tiling's output is checked against XLA's attention (within 2^-6 of its
 largest value, and on average of its mean) and its checks against the bound (clean inputs: no
 row's ratio above 1); a wrong tiling raises, a tiling that does not build (its buffers past the
@@ -34,15 +35,18 @@ __all__ = ["configs", "run"]
 
 
 def configs() -> list:
-    """The grid: the default first, then 64 or 128 keys a step, two to four stages in flight, and the
-    scores' checksum product inside the scores' wgmma or apart (``fuse_e``). Tilings whose buffers do
-    not fit the shared memory are in it too: they get an error row (what does not build is measured
-    as such, not assumed)."""
+    """The grid: the default first, then 64 or 128 keys a step, two to four stages in flight, the
+    scores' checksum product inside the scores' wgmma or apart (``fuse_e``), and with it inside, the
+    output check's inside the output's wgmma (``fuse_v``, opt-in). Tilings whose buffers do not fit
+    the shared memory are in it too: they get an error row (what does not build is measured as
+    such, not assumed)."""
     from pimlayers.ops._flash import FlashConfig
 
     out = [FlashConfig()]
-    for block_kv, stages, fuse_e in itertools.product((128, 64), (2, 3, 4), (True, False)):
-        c = FlashConfig(block_kv=block_kv, stages=stages, fuse_e=fuse_e)
+    for block_kv, stages, (fuse_e, fuse_v) in itertools.product(
+        (128, 64), (2, 3, 4), ((True, False), (False, False), (True, True))
+    ):
+        c = FlashConfig(block_kv=block_kv, stages=stages, fuse_e=fuse_e, fuse_v=fuse_v)
         if c not in out:
             out.append(c)
     return out
@@ -68,13 +72,13 @@ def run(b=ATTN["b"], t=ATTN["t"], h=ATTN["h"], kv=ATTN["kv"], d=ATTN["d"]) -> li
     shape = f"B={b} T={t} H={h} KV={kv} D={d} bfloat16 causal"
     rows = []
     for cfg, checks in itertools.product(configs(), (True, False)):
-        if not checks and not cfg.fuse_e:
-            continue  # without the checks fuse_e changes nothing: each tiling once
+        if not checks and (not cfg.fuse_e or cfg.fuse_v):
+            continue  # without the checks fuse_e and fuse_v change nothing: each tiling once
         if not flash_supported(q.shape, k.shape, q.dtype, True, cfg):
             continue
         what = f"{'verified' if checks else 'checks off'} {cfg}"
         row = dict(kernel="verified" if checks else "checks off", shape=shape)
-        row |= {f: getattr(cfg, f) for f in ("block_q", "block_kv", "stages", "fuse_e")}
+        row |= {f: getattr(cfg, f) for f in ("block_q", "block_kv", "stages", "fuse_e", "fuse_v")}
         row["default"] = cfg == FlashConfig()
         fn = jax.jit(
             lambda q, k, v, cfg=cfg, checks=checks: ops.flash_attention(q, k, v, checks=checks, config=cfg)

@@ -2428,14 +2428,15 @@ def test_flash_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
 
     assert flash_tiling.run() == []  # not a Hopper GPU: nothing to time
     grid = flash_tiling.configs()
-    assert grid[0] == _flash.FlashConfig() and len(set(grid)) == len(grid) == 12
+    assert grid[0] == _flash.FlashConfig() and len(set(grid)) == len(grid) == 18
+    assert sum(c.fuse_v for c in grid) == 6 and all(c.fuse_e for c in grid if c.fuse_v)
     # Every tiling takes goal 2's shape (B = 1, T = 8192, 32/8 heads, D = 128, causal).
     a = flash_tiling.ATTN
     qs, ks = (a["b"], a["t"], a["h"], a["d"]), (a["b"], a["t"], a["kv"], a["d"])
     assert all(_flash.flash_supported(qs, ks, jnp.bfloat16, True, c) for c in grid)
     # A CPU runs no Mosaic kernel: the suite's logic around it, with the reference standing in for
     # the kernel, XLA's attention for cuDNN's and a fixed timing. Each tiling is checked, then
-    # timed (with its checks, and once without them where fuse_e changes nothing); one that does
+    # timed (with its checks, and once without them where fuse_e and fuse_v change nothing); one that does
     # not build gets its error and no time; the default is marked.
     ref = lambda q, k, v, checks=True, config=None: _flash.flash_attention_reference(q, k, v, config=config)
 
@@ -2456,9 +2457,9 @@ def test_flash_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
         rows = flash_tiling.run(t=256, h=4, kv=2)
     verified = [r for r in rows if r["kernel"] == "verified"]
     off = [r for r in rows if r["kernel"] == "checks off"]
-    assert len(verified) == 12 and len(off) == 6
+    assert len(verified) == 18 and len(off) == 6 and not any(r["fuse_v"] for r in off)
     failed = [r for r in rows if "error" in r]
-    assert len(failed) == 3 and all("shared memory" in r["error"] and "ms" not in r for r in failed)
+    assert len(failed) == 4 and all("shared memory" in r["error"] and "ms" not in r for r in failed)
     timed = [r for r in rows if "error" not in r]
     assert {r["ratio"] for r in timed} == {0.5} and timed[0]["cudnn_ms"] == 2.0 and timed[0]["ms"] == 4.0
     assert [r["default"] for r in rows].count(True) == 2 and rows[0]["default"]  # verified and not

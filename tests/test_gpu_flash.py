@@ -40,8 +40,12 @@ SHAPES = [  # (B, T, H, KV, D, causal)
 ]
 
 
+FUSE_V = ops.FlashConfig(fuse_v=True)  # the output check's columns from the output's own wgmma
+
+
 @pytest.mark.parametrize(
-    "config", [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), ops.FlashConfig(bounds_kernel=False)]
+    "config",
+    [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), ops.FlashConfig(bounds_kernel=False), FUSE_V],
 )
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_reference(hopper, shape, config):
@@ -57,7 +61,7 @@ def test_kernel_matches_reference(hopper, shape, config):
     np.testing.assert_allclose(np.asarray(plain, np.float32), np.asarray(ref_out, np.float32), atol=3e-2)
 
 
-@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=False)])
+@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=False), FUSE_V])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_flags_the_rows_the_reference_flags(hopper, shape, config):
     b, t, h, kv, d, causal = shape
@@ -206,18 +210,21 @@ def _redone(flags):
 REDO_SHAPES = [(2, 384, 4, 2, 128, True), (1, 256, 8, 2, 64, False)]
 
 
+@pytest.mark.parametrize("config", [ops.FlashConfig(), FUSE_V])
 @pytest.mark.parametrize("shape", REDO_SHAPES)
-def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape):
+def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape, config=None):
     b, t, h, kv, d, causal = shape
     q, k, v = _qkv(b, t, h, kv, d, seed=7)
     faults = flash_faults([("scores", 0, 1, 40, 30, 3), ("out", b - 1, h - 1, t - 1, 29, 7)], b, h, t)
-    out, lse, checks = ops.flash_attention(q, k, v, faults, causal=causal)
+    out, lse, checks = ops.flash_attention(q, k, v, faults, causal=causal, config=config)
     flags = ops.redo_flags(checks)
     assert int(np.sum(np.asarray(flags))) == 2
     # Head 0's second block is not flagged: whatever it holds (here garbage) must stay.
     garbage = out.at[:, 128:256, 0].set(3.0)
-    o2, l2, c2, gated = ops.flash_attention_redo(q, k, v, flags, garbage, lse, checks, causal=causal)
-    clean, lse0, _ = ops.flash_attention(q, k, v, causal=causal)
+    o2, l2, c2, gated = ops.flash_attention_redo(
+        q, k, v, flags, garbage, lse, checks, causal=causal, config=config
+    )
+    clean, lse0, _ = ops.flash_attention(q, k, v, causal=causal, config=config)
     ro, _, _, _ = ops.flash_attention_redo_reference(q, k, v, flags, garbage, lse, checks, causal=causal)
     rows = _redone(flags)
     o2, garbage, clean = (np.asarray(a, np.float32) for a in (o2, garbage, clean))

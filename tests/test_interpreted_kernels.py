@@ -79,7 +79,9 @@ FWD_SHAPES = [  # (B, T, H, KV, D, causal): one or two key blocks per CTA, GQA, 
 
 @in_process
 @pytest.mark.parametrize(
-    "config", [ops.FlashConfig(), ops.FlashConfig(fuse_e=False)], ids=["fused-e", "e-apart"]
+    "config",
+    [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), gpu_fwd.FUSE_V],
+    ids=["fused-e", "e-apart", "fused-v"],
 )
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 def test_forward_kernel_matches_the_reference(interpreted, shape, config):
@@ -87,9 +89,10 @@ def test_forward_kernel_matches_the_reference(interpreted, shape, config):
 
 
 @in_process
+@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.FUSE_V], ids=["default", "fused-v"])
 @pytest.mark.parametrize("shape", FWD_SHAPES)
-def test_forward_kernel_flags_the_rows_the_reference_flags(interpreted, shape):
-    gpu_fwd.test_kernel_flags_the_rows_the_reference_flags(None, shape, ops.FlashConfig())
+def test_forward_kernel_flags_the_rows_the_reference_flags(interpreted, shape, config):
+    gpu_fwd.test_kernel_flags_the_rows_the_reference_flags(None, shape, config)
 
 
 @in_process
@@ -142,9 +145,10 @@ REDO_FWD, REDO_BWD = (1, 256, 2, 1, 64, False), (1, 256, 2, 1, 64, True)  # two 
 
 
 @in_process
+@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.FUSE_V], ids=["default", "fused-v"])
 @pytest.mark.parametrize("shape", [REDO_FWD, (1, 256, 4, 2, 128, True)])
-def test_forward_redo_rewrites_the_flagged_blocks_alone(interpreted, shape):
-    gpu_fwd.test_redo_kernel_rewrites_the_flagged_blocks_alone(None, shape)
+def test_forward_redo_rewrites_the_flagged_blocks_alone(interpreted, shape, config):
+    gpu_fwd.test_redo_kernel_rewrites_the_flagged_blocks_alone(None, shape, config)
 
 
 @in_process
@@ -168,7 +172,14 @@ CASES = {  # the default run's cases, each in a fresh process
     "forward": lambda: test_forward_kernel_matches_the_reference(
         None, (1, 256, 2, 1, 128, False), ops.FlashConfig()
     ),
-    "forward-flags": lambda: test_forward_kernel_flags_the_rows_the_reference_flags(None, FWD_SHAPES[2]),
+    "forward-flags": lambda: test_forward_kernel_flags_the_rows_the_reference_flags(
+        None, FWD_SHAPES[2], ops.FlashConfig()
+    ),
+    # The opt-in fused output check: a fault in the output accumulator flagged where the
+    # reference flags it (its check columns are that accumulator's last eight).
+    "forward-flags-fused-v": lambda: test_forward_kernel_flags_the_rows_the_reference_flags(
+        None, FWD_SHAPES[0], gpu_fwd.FUSE_V
+    ),
     "backward": lambda: test_backward_kernels_match_the_reference(None, BWD),
     "backward-flags-dk": lambda: test_backward_kernels_flag_the_flipped_rows(None, "dk"),
     "backward-flags-scores": lambda: test_backward_kernels_flag_the_flipped_rows(None, "scores"),
@@ -181,7 +192,9 @@ CASES = {  # the default run's cases, each in a fresh process
     ),
     "races": lambda: test_pipelines_have_no_races(None),
     # The device redo: only flagged CTAs rewritten, bit for bit the fault-free kernels' rows.
-    "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(None, REDO_FWD),
+    "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(
+        None, REDO_FWD, ops.FlashConfig()
+    ),
     "redo-backward": lambda: test_backward_redo_recomputes_the_flagged_blocks(None, REDO_BWD),
 }
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -15,7 +15,9 @@ verified per query row, EFTA-style (Xu et al., "EFTA: efficient fault-tolerant a
   accumulator rescaled with the output's; at the end the output accumulator's row sums must equal
   its first two columns. Its third column is the sum of the bf16 probabilities, which serves as the
   softmax's normaliser l (the softmax's own f32 row sum is skipped when checking): the output is
-  then exactly sum p16·v / sum p16. Its fourth and fifth are the check's bound, c vmax l.
+  then exactly sum p16·v / sum p16. Its fourth and fifth are the check's bound, c vmax l. With
+  ``FlashConfig.fuse_v`` (opt-in) those columns come from the output's own wgmma: the value tile
+  is held transposed, (D, block_kv), and extended by the checksum tile's 8 rows, so N = D + 8.
 
 Both comparisons use a rounding-error bound (``lam`` as in :class:`pimlayers.FaultPolicy`):
 
@@ -98,6 +100,13 @@ class FlashConfig:
     # q·ksum from the scores' own wgmma (the key tile extended by the checksum tile's 8 rows, N =
     # block_kv + 8) instead of a second wgmma with N = 8.
     fuse_e: bool = True
+    # The output check's columns (p16 against the value checksum tile) from the output's own wgmma,
+    # as fuse_e does for the scores: the value tile held transposed, (D, block_kv), and extended by
+    # the checksum tile's 8 rows, so N = D + 8, instead of a second wgmma with N = 8. The transposed
+    # tile is K-major, as the key tile is; the (block_kv, D) tile the kernel reads otherwise is not,
+    # and its 64-column swizzled pieces cannot take 8 more columns. Costs a transpose of v through
+    # XLA before the kernel (one read and write of v). Opt-in until timed against the default.
+    fuse_v: bool = False
     # The checksum and bound tiles from two Pallas (Triton) kernels, one pass over k and v
     # (``_flash_bounds``), instead of XLA's seven kernels. None (the default): the Triton kernels on
     # a GPU, XLA's elsewhere and in ``flash_attention_reference``; True: the kernels everywhere
@@ -366,6 +375,8 @@ def _kernel_call(
     n_out = 4 if checks else 2
     fuse_e = checks and cfg.fuse_e
     kn = bk + CS if fuse_e else bk  # rows of a key buffer: the keys, then (fused) the checksum tile
+    fuse_v = checks and cfg.fuse_v  # v then arrives transposed, (B, KV, D, S): below
+    dn = d + CS if fuse_v else d  # the output accumulator's columns: out, then (fused) the check's
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -436,8 +447,10 @@ def _kernel_call(
             def row_const(x):
                 return plgpu.layout_cast(jnp.full((bq,), x, jnp.float32), row_layout)
 
-            acc = plgpu.layout_cast(jnp.full((bq, d), 0, jnp.float32), wgmma_layout)
-            cacc = plgpu.layout_cast(jnp.full((bq, CS), 0, jnp.float32), wgmma_layout) if checks else None
+            acc = plgpu.layout_cast(jnp.full((bq, dn), 0, jnp.float32), wgmma_layout)
+            cacc = None
+            if checks and not fuse_v:
+                cacc = plgpu.layout_cast(jnp.full((bq, CS), 0, jnp.float32), wgmma_layout)
             r_qk = row_const(0.0) if checks else None
 
             if causal:
@@ -497,9 +510,10 @@ def _kernel_call(
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
                 acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
-                if checks:
+                if checks and not fuse_v:
                     # l comes from the tensor cores: the checksum tile's row of ones sums p16 into
-                    # cacc's column 2, rescaled with it, so the softmax's own row sum is not needed.
+                    # cacc's column 2, rescaled with it, so the softmax's own row sum is not needed
+                    # (fused, those columns are acc's last eight, rescaled with it above).
                     cacc *= lax.broadcast_in_dim(alpha, cacc.shape, [0])
                 else:
                     l_i *= alpha
@@ -507,14 +521,17 @@ def _kernel_call(
                 acc, cacc, l_i, m_i, p16 = lax.optimization_barrier((acc, cacc, l_i, m_i, p16))
                 plgpu.barrier_arrive(schedule_barrier)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
-                if checks:
+                if checks and not fuse_v:
                     plgpu.barrier_wait(vs_bar.at[slot])
                 plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
 
                 def compute_pv(refs):
                     acc_ref, c_ref = refs
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    if checks:
+                    if fuse_v:  # [vᵀ; checksum tile] (D + 8, bk), K-major as the key tile is
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot].transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    if checks and not fuse_v:
                         plgpu.wgmma(c_ref, p16, vs_smem.at[slot].transpose((1, 0)))
                     nxt = kv + 1
 
@@ -523,7 +540,7 @@ def _kernel_call(
                         plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.array(stages, kv.dtype))])
 
                 acc, cacc = pl.run_state(compute_pv)(
-                    (plgpu.ACC.init(acc), plgpu.ACC.init(cacc) if checks else None)
+                    (plgpu.ACC.init(acc), plgpu.ACC.init(cacc) if cacc is not None else None)
                 )
                 plgpu.barrier_arrive(v_done.at[slot])
                 return acc, cacc, m_i, l_i, r_qk
@@ -548,6 +565,8 @@ def _kernel_call(
                 lax.fori_loop(steps, cta_steps, flush, None)
             acc, cacc, m_i, l_i, r_qk = carry
             pl.when(wg == 0)(schedule)
+            if fuse_v:
+                acc, cacc = acc[:, :d], acc[:, d:]
 
             if inject:
                 d_ids = plgpu.broadcasted_iota(jnp.int32, (bq, d), 1, layout=wgmma_layout)
@@ -610,6 +629,13 @@ def _kernel_call(
                     )
 
             def load_v(step, slot):
+                if fuse_v:  # the transposed values, then the checksum tile: one barrier, both
+                    vt = v_ref.at[batch, kv_head, :, pl.ds(step * bk, bk)]
+                    plgpu.copy_gmem_to_smem(vt, v_smem.at[slot, pl.ds(0, d)], v_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        vs_ref.at[batch, kv_head, step], v_smem.at[slot, pl.ds(d, CS)], v_bar.at[slot]
+                    )
+                    return
                 sl = (batch, pl.ds(step * bk, bk), kv_head)
                 plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
                 if checks:
@@ -624,16 +650,16 @@ def _kernel_call(
         smem = [
             plgpu.SMEM((2, bq, d), dtype, transforms=tf),  # q in, out staged on its way back
             plgpu.SMEM((stages, kn, d), dtype, transforms=tf),
-            plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
+            plgpu.SMEM((stages, dn, bk) if fuse_v else (stages, bk, d), dtype, transforms=tf),
             plgpu.SMEM((stages, CS, d), dtype, transforms=tf) if checks and not fuse_e else None,
-            plgpu.SMEM((stages, CS, bk), dtype, transforms=tf) if checks else None,
+            plgpu.SMEM((stages, CS, bk), dtype, transforms=tf) if checks and not fuse_v else None,
             plgpu.SMEM((2, CS, d), dtype, transforms=tf) if checks else None,  # per warpgroup: km
             plgpu.SMEM((2, 4 if gate else 3, bq), jnp.float32),  # per warpgroup: lse, ratios (gated)
             plgpu.SMEM((2, 4, bq), jnp.int32) if inject else None,
         ]
         bars = (
             plgpu.Barrier(num_arrivals=2 if fuse_e else 1, num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2 if fuse_v else 1, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=2),
@@ -648,6 +674,10 @@ def _kernel_call(
             collective_axes="wg",
         )
 
+    if fuse_v:
+        # (B, S, KV, D) -> (B, KV, D, S): each step's value tile is then a TMA box of D rows of bk
+        # keys. A forward with its redo transposes v in both calls; XLA computes the two as one.
+        v = jnp.transpose(v, (0, 2, 3, 1))
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
     params = plgpu.CompilerParams(approx_math=True)
