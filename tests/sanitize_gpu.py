@@ -57,8 +57,16 @@ def flash_cases(which: str = "") -> list:
     import test_gpu_flash_bwd as TB
 
     fwd = [
-        *[(TF.test_kernel_matches_reference, (None, shape, TF.ops.FlashConfig())) for shape in TF.SHAPES[:3]],
-        *[(TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape)) for shape in TF.SHAPES[:2]],
+        *[
+            (TF.test_kernel_matches_reference, (None, shape, cfg))
+            for cfg in (TF.ops.FlashConfig(), TF.FUSE_V)
+            for shape in TF.SHAPES[:3]
+        ],
+        *[
+            (TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape, cfg))
+            for cfg in (TF.ops.FlashConfig(), TF.FUSE_V)
+            for shape in TF.SHAPES[:2]
+        ],
     ]
     bwd = [
         *[
@@ -73,7 +81,11 @@ def flash_cases(which: str = "") -> list:
         ],
     ]
     redo = [
-        *[(TF.test_redo_kernel_rewrites_the_flagged_blocks_alone, (None, shape)) for shape in TF.REDO_SHAPES],
+        *[
+            (TF.test_redo_kernel_rewrites_the_flagged_blocks_alone, (None, shape, cfg))
+            for cfg in (TF.ops.FlashConfig(), TF.FUSE_V)
+            for shape in TF.REDO_SHAPES
+        ],
         (TF.test_redo_kernel_gates_its_rows, (None,)),
         *[(TB.test_bwd_redo_recomputes_the_flagged_blocks, (None, shape)) for shape in TB.REDO_SHAPES],
     ]

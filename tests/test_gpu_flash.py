@@ -46,6 +46,7 @@ FUSE_V = ops.FlashConfig(fuse_v=True)  # the output check's columns from the out
 @pytest.mark.parametrize(
     "config",
     [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), ops.FlashConfig(bounds_kernel=False), FUSE_V],
+    ids=["default", "e-apart", "xla-bounds", "fused-v"],
 )
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_reference(hopper, shape, config):
@@ -61,7 +62,11 @@ def test_kernel_matches_reference(hopper, shape, config):
     np.testing.assert_allclose(np.asarray(plain, np.float32), np.asarray(ref_out, np.float32), atol=3e-2)
 
 
-@pytest.mark.parametrize("config", [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=False), FUSE_V])
+@pytest.mark.parametrize(
+    "config",
+    [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=False), FUSE_V],
+    ids=["default", "xla-bounds", "fused-v"],
+)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_flags_the_rows_the_reference_flags(hopper, shape, config):
     b, t, h, kv, d, causal = shape
@@ -210,9 +215,9 @@ def _redone(flags):
 REDO_SHAPES = [(2, 384, 4, 2, 128, True), (1, 256, 8, 2, 64, False)]
 
 
-@pytest.mark.parametrize("config", [ops.FlashConfig(), FUSE_V])
+@pytest.mark.parametrize("config", [ops.FlashConfig(), FUSE_V], ids=["default", "fused-v"])
 @pytest.mark.parametrize("shape", REDO_SHAPES)
-def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape, config=None):
+def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape, config):
     b, t, h, kv, d, causal = shape
     q, k, v = _qkv(b, t, h, kv, d, seed=7)
     faults = flash_faults([("scores", 0, 1, 40, 30, 3), ("out", b - 1, h - 1, t - 1, 29, 7)], b, h, t)
