@@ -411,6 +411,30 @@ def test_flash_path_device_redo_gates_and_reports_as_the_loop_does():
     np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
 
 
+def test_the_fused_value_check_is_the_environments_where_the_config_leaves_it(monkeypatch):
+    """``FlashConfig.fuse_v`` None reads ``PIMLAYERS_FLASH_FUSE_V`` when a program is traced. Lowered
+    for a GPU here (Mosaic GPU lowers without one), the fused output check transposes v before the
+    kernel: one transpose more than the default's. Each lowering takes a sequence length of its own,
+    so none reads another's trace from the kernel's jit cache (the switch is read when traced)."""
+    monkeypatch.setattr(ops._flash, "hopper", lambda: True)
+    monkeypatch.delenv("PIMLAYERS_FLASH_FUSE_V", raising=False)
+    check = ops._flash.fused_value_check
+    assert (check(None), check(True), check(False)) == (False, True, False)
+
+    def transposes(t, config=None):
+        q, k, v = (jnp.zeros((1, t, n, 64), jnp.bfloat16) for n in (4, 2, 2))
+        fn = lambda q, k, v: ops.flash_attention(q, k, v, config=config)[0]
+        return jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text().count("transpose")
+
+    plain = transposes(256, ops.FlashConfig(fuse_v=False))
+    assert transposes(256, ops.FlashConfig(fuse_v=True)) == plain + 1
+    assert transposes(384) == plain
+    monkeypatch.setenv("PIMLAYERS_FLASH_FUSE_V", "1")
+    assert (check(None), check(False)) == (True, False)
+    assert transposes(512) == plain + 1
+    assert transposes(640, ops.FlashConfig(fuse_v=False)) == plain
+
+
 def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(monkeypatch):
     """The attention core's default where the Hopper kernels run, lowered here for a GPU (Mosaic GPU
     and Triton lower without one): the forward's two kernel launches (first pass, redo) and the

@@ -105,8 +105,12 @@ class FlashConfig:
     # the checksum tile's 8 rows, so N = D + 8, instead of a second wgmma with N = 8. The transposed
     # tile is K-major, as the key tile is; the (block_kv, D) tile the kernel reads otherwise is not,
     # and its 64-column swizzled pieces cannot take 8 more columns. Costs a transpose of v through
-    # XLA before the kernel (one read and write of v). Opt-in until timed against the default.
-    fuse_v: bool = False
+    # XLA before the kernel (one read and write of v). None (the default): off, unless the process's
+    # environment has ``PIMLAYERS_FLASH_FUSE_V=1`` (:func:`fused_value_check`), which reaches the layers'
+    # kernels without a config threaded through them. Opt-in until the layers have been timed with
+    # it: on an H100 (2026-12-07) the kernel ran at 0.922x of cuDNN against the default's 0.911x in
+    # one sweep (``python -m benchmarks.run --suite flash-tiling``).
+    fuse_v: bool | None = None
     # The checksum and bound tiles from two Pallas (Triton) kernels, one pass over k and v
     # (``_flash_bounds``), instead of XLA's seven kernels. None (the default): the Triton kernels on
     # a GPU, XLA's elsewhere and in ``flash_attention_reference``; True: the kernels everywhere
@@ -235,6 +239,16 @@ def bounds_kernel(flag: bool | None) -> bool | None:
     if flag is None and os.environ.get("PIMLAYERS_BOUNDS_KERNEL", "1") == "0":
         return False
     return flag
+
+
+def fused_value_check(flag: bool | None) -> bool:
+    """``FlashConfig.fuse_v`` as the forward kernel takes it: None becomes True where the process's
+    environment has ``PIMLAYERS_FLASH_FUSE_V=1``, False otherwise. Read when a program is traced:
+    set it before the first call (``python -m benchmarks.step_ab --env PIMLAYERS_FLASH_FUSE_V=1``
+    times a step or the attention core with it, each variant in processes of its own)."""
+    if flag is None:
+        return os.environ.get("PIMLAYERS_FLASH_FUSE_V", "0") == "1"
+    return bool(flag)
 
 
 def _xla_bounds_unless_asked(cfg):
@@ -375,7 +389,7 @@ def _kernel_call(
     n_out = 4 if checks else 2
     fuse_e = checks and cfg.fuse_e
     kn = bk + CS if fuse_e else bk  # rows of a key buffer: the keys, then (fused) the checksum tile
-    fuse_v = checks and cfg.fuse_v  # v then arrives transposed, (B, KV, D, S): below
+    fuse_v = checks and fused_value_check(cfg.fuse_v)  # v then arrives transposed, (B, KV, D, S)
     dn = d + CS if fuse_v else d  # the output accumulator's columns: out, then (fused) the check's
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
