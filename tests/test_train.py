@@ -111,8 +111,8 @@ def test_the_first_timed_step_counts_the_host_time_before_its_call(monkeypatch, 
     # The compiling step is read before step 1 is queued, so step 1's interval starts when step 0
     # has finished and holds whatever the host spent before and in step 1's call (here a batch
     # that takes 0.4 s to read). Read after step 1's call, as the other steps are, step 0's read
-    # ended that wait, and the time fell into the untimed interval: on a GPU a slow first call
-    # (a branch's kernel run for the first time) left a step of ~108 ms timed at 11-17 ms.
+    # ended that wait, and the time fell into the untimed interval: on an H100 a call for step 1
+    # that returned late left a step of ~108 ms timed at 11-17 ms.
     import time
 
     real = T.D.batches

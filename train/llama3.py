@@ -534,10 +534,10 @@ def train(cfg: TrainConfig) -> dict:
     #
     # The first step (it compiles, and is not timed) is read before the next is queued, so the first
     # timed interval starts when the device has finished it. Read after the next step was queued,
-    # as the others are, its read waited for that call, and a slow call (jax's first dispatch of a
-    # program, a branch's kernel run for the first time) moved time from the first timed interval
-    # into the untimed one: on an H100 (2026-12-07) the first timed step of the plain checks' step,
-    # whose GEMM recompute first ran in it, measured 11-17 ms against ~108 for the others.
+    # as the others are, its read waited for that call, and a call slow on the host moved time from
+    # the first timed interval into the untimed one: on an H100 (2026-12-07) the plain checks'
+    # step timed its first step at 11-17 ms against ~108 for the others (why its call was slow was
+    # not recorded; benchmarks.step_ab now keeps the calls' times).
     pending, first = None, None
     for s in bar:
         if store is not None and cfg.flip_every and s > 0 and s % cfg.flip_every == 0:
