@@ -312,8 +312,13 @@ def without_options(argv, flags=(), values=()) -> list[str]:
 
 
 def command_line(module: str = "benchmarks.run", argv: list[str] | None = None) -> str:
-    """The command that ran ``module`` (with XLA_FLAGS where set), as a results file records it:
-    its arguments ``argv`` where a caller passed them to ``main(argv)``, else the process's."""
+    """The command that ran ``module``, as a results file records it: the library's switches set in
+    the environment (every ``PIMLAYERS_*``: ``PIMLAYERS_FLASH_FUSE_V=1``, ``PIMLAYERS_CHECKS_KERNEL=1``,
+    ... change what the kernels do, so a command without them would not run the same code) and
+    XLA_FLAGS where set, then its arguments ``argv`` where a caller passed them to ``main(argv)``,
+    else the process's."""
+    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("PIMLAYERS_"))
+    env = "".join(f"{k}={shlex.quote(v)} " for k, v in switches)
     flags = os.environ.get("XLA_FLAGS", "")
-    env = f"XLA_FLAGS={shlex.quote(flags.strip())} " if flags.strip() else ""
+    env += f"XLA_FLAGS={shlex.quote(flags.strip())} " if flags.strip() else ""
     return env + f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)

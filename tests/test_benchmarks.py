@@ -721,6 +721,27 @@ def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
     assert data["package"] == str((tmp_path / "old" / "pimlayers").resolve())
 
 
+def test_command_line_carries_the_librarys_switches_and_xla_flags(monkeypatch):
+    # A results file's command runs the same code again: the PIMLAYERS_* switches the process had
+    # (they change the kernels) come with it, sorted, as XLA_FLAGS does; others do not.
+    from benchmarks import _harness
+
+    for k in [k for k in os.environ if k.startswith("PIMLAYERS_") or k == "XLA_FLAGS"]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME_OF_SOMETHING", "x")
+    assert _harness.command_line("benchmarks.run", ["--suite", "peers"]) == (
+        "python -m benchmarks.run --suite peers"
+    )
+    monkeypatch.setenv("PIMLAYERS_FLASH_FUSE_V", "1")
+    monkeypatch.setenv("PIMLAYERS_CHECKS_KERNEL", "1")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/a b")
+    assert _harness.command_line("benchmarks.step_ab", ["--rounds", "2"]) == (
+        "PIMLAYERS_CHECKS_KERNEL=1 PIMLAYERS_FLASH_FUSE_V=1 "
+        "XLA_FLAGS='--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/a b' "
+        "python -m benchmarks.step_ab --rounds 2"
+    )
+
+
 def test_source_digest_names_a_commits_code_and_ignores_builds_and_results(tmp_path):
     import subprocess
 
