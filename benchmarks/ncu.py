@@ -299,9 +299,9 @@ def main(argv=None) -> None:
     rows = rows_from(details, sass, label_kernels(details, launches))
     print(format_rows(rows))
     if args.save:
-        from ._harness import write_result
+        from ._harness import command_line, write_result
 
-        command = "python -m benchmarks.ncu " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = command_line("benchmarks.ncu", argv)
         print(f"wrote {write_result('ncu', rows, command, tag=args.save)}")
 
 

@@ -71,7 +71,6 @@ import math
 import os
 import pathlib
 import re
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -92,7 +91,7 @@ except ImportError:
 
 from models.llama3 import REMAT_POLICIES
 
-from ._harness import without_options, write_result
+from ._harness import command_line, without_options, write_result
 
 
 @functools.lru_cache(maxsize=4)  # _sums and _idle read the same (large) trace
@@ -936,7 +935,7 @@ def pair_commands(argv: list[str], out: pathlib.Path, tag: str | None) -> dict[s
     return cmds
 
 
-def _pair(argv: list[str], out: pathlib.Path, args) -> None:
+def _pair(argv: list[str], out: pathlib.Path, args, command: str) -> None:
     """``--pair``: both profiles (``pair_commands``), each a process of its own, then their op tables
     side by side per op and per category (``compare``, ``compare_categories``), printed and, with
     ``--save TAG``, saved as TAG."""
@@ -952,7 +951,6 @@ def _pair(argv: list[str], out: pathlib.Path, args) -> None:
     rows = compare(sources["on"], sources["off"])
     cats = compare_categories(sources["on"], sources["off"])
     if args.save is not None:
-        command = "python -m benchmarks.profile " + shlex.join(argv)
         note = args.note or f"the profiles {args.save}on against {args.save}off of this command"
         for suite, table in (("profile-compare", rows), ("profile-categories", cats)):
             print(f"wrote {write_result(suite, table, command, tag=args.save, note=note)}")
@@ -1094,12 +1092,13 @@ def main() -> None:
         "(profile-protect / profile-off files) per kernel (with --save: a results file)",
     )
     args = ap.parse_args()
+    # The command as given, before the flags below join XLA_FLAGS (the runs' own, not the caller's).
+    command = command_line("benchmarks.profile")
     if args.pair and (args.compare or args.run):
         raise ValueError("benchmarks.profile --pair: not with --compare or --run (it makes both profiles)")
     if args.compare:
         tables = [json.loads(pathlib.Path(f).read_text()) for f in args.compare]
         note = args.note or f"{args.compare[0]} against {args.compare[1]}"
-        command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
         where = measured_on(tables, args.compare)
 
         def save(suite: str, rows: list[dict]) -> None:  # with --save: a results file
@@ -1136,7 +1135,7 @@ def main() -> None:
         return
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="pimlayers-profile-"))
     if args.pair:
-        return _pair(sys.argv[1:], out, args)
+        return _pair(sys.argv[1:], out, args, command)
     dump = out / "hlo"
     flags = ([f"--xla_dump_to={dump}"] if args.hlo_dump else []) + (
         ["--xla_gpu_enable_command_buffer="] if args.no_command_buffers else []
@@ -1172,7 +1171,6 @@ def main() -> None:
     s = summarize(
         out / "trace", args.top, base_dir=out / "base", steps=args.steps, sources=sources, fused=args.fused
     )
-    command = "python -m benchmarks.profile " + shlex.join(sys.argv[1:])
     s.update(command=command, run_seconds=run_seconds)
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     if args.save is not None:

@@ -2145,6 +2145,9 @@ def test_profile_pair_profiles_both_steps_then_compares_them(monkeypatch, tmp_pa
     saved = {f.name.split("-", 3)[-1]: json.loads(f.read_text()) for f in (tmp_path / "results").iterdir()}
     cats = saved["profile-categories-t-cpu-cpu.json"]["rows"]
     assert {r["category"]: r["added_ms"] for r in cats} == {"check GEMMs": 2.0, "GEMMs": 0.0}
+    # The command as the caller gave it (command_line: with the caller's switches and XLA_FLAGS).
+    given = "python -m benchmarks.profile " + " ".join([*argv, "--pair", "--save", "t"])
+    assert saved["profile-categories-t-cpu-cpu.json"]["command"].endswith(given)
     assert saved["profile-compare-t-cpu-cpu.json"]["rows"][0]["added_ms"] == 2.0  # the totals
     assert "check GEMMs" in capsys.readouterr().out
     for bad in (["--run", "base"], ["--compare", "a", "b"]):

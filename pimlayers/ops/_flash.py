@@ -691,8 +691,8 @@ def _kernel_call(
     if fuse_v:
         # (B, S, KV, D) -> (B, KV, D, S): each step's value tile is then a TMA box of D rows of bk
         # keys. A forward with its redo asks for the transpose in both calls (the redo's inside its
-        # own jit); XLA's common-subexpression pass leaves one (so it did in a CPU's compiled
-        # program of that shape; a GPU's pipeline runs the same pass).
+        # own jit), which XLA's common-subexpression pass can merge into one; that a GPU's compiled
+        # step keeps one is not checked.
         v = jnp.transpose(v, (0, 2, 3, 1))
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
