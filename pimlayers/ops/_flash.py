@@ -526,12 +526,14 @@ def _kernel_call(
                 p16 = p.astype(dtype)
                 if checks and not fuse_v:
                     # l comes from the tensor cores: the checksum tile's row of ones sums p16 into
-                    # cacc's column 2, rescaled with it, so the softmax's own row sum is not needed
-                    # (fused, those columns are acc's last eight, rescaled with it above).
+                    # cacc's column 2, rescaled with it, so the softmax's own row sum is not needed.
                     cacc *= lax.broadcast_in_dim(alpha, cacc.shape, [0])
-                else:
+                elif not checks:
                     l_i *= alpha
                     l_i += p.sum(axis=1)
+                # (fuse_v: those columns are acc's last eight, rescaled with it above; l_i stays 0
+                # through the loop and is read from them after it. Until 2026-12-07 this path also
+                # summed p here, a row reduction per step whose result was overwritten.)
                 acc, cacc, l_i, m_i, p16 = lax.optimization_barrier((acc, cacc, l_i, m_i, p16))
                 plgpu.barrier_arrive(schedule_barrier)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
