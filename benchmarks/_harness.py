@@ -246,27 +246,33 @@ def foreign_package() -> str:
     return "" if folder == (ROOT / "pimlayers").resolve() else str(folder)
 
 
-def code_commit() -> str:
-    """The checkout's commit (``git describe --always --dirty``), or "" where the tree is not a git
-    checkout of its own (a copy of it, even inside some other repository, names no commit)."""
-    if not (ROOT / ".git").exists():
+def code_commit(root: pathlib.Path = ROOT) -> str:
+    """The checkout's commit (``git describe --always``), with ``-dirty`` where a source file
+    (``SOURCE_PATHS``, results left out, untracked ones counted) differs from it; "" where the tree is
+    not a git checkout of its own (a copy of it, even inside some other repository, names no commit).
+
+    Only the source counts: a benchmark run rewrites docs/benchmarks.md and adds its results file, so
+    with ``git describe --dirty`` every later run of the same session called its code dirty."""
+    if not (root / ".git").exists():
         return ""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    rev = git("describe", "--always", "--abbrev=7")
+    if not rev:
         return ""
-    return out.stdout.strip() if out.returncode == 0 else ""
+    paths = [*SOURCE_PATHS, ":(exclude)benchmarks/results"]
+    changed = git("status", "--porcelain", "--untracked-files=all", "--", *paths)
+    return rev + ("-dirty" if changed is None or changed else "")
 
 
-# The code behind a result: the package with its native sources, the model, the training script and
-# the benchmarks (not their results), with the build's configuration. Build products (the extension's
-# .so copied into the package) and caches have other suffixes.
 SOURCE_PATHS = ("pimlayers", "csrc", "models", "train", "benchmarks", "CMakeLists.txt", "pyproject.toml")
 _SOURCE_SUFFIXES = frozenset({".py", ".cc", ".cu", ".h", ".txt", ".toml"})
 

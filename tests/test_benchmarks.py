@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -686,6 +687,39 @@ def test_profile_categories_name_where_protection_costs():
     same = profile.compare_categories(off, off)  # complete tables: no row for unlisted ops
     assert [r["category"] for r in same] in (["attention", "GEMMs"], ["GEMMs", "attention"])
     assert all(r["added_ms"] == 0 for r in same)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_dirty_only_where_the_source_changed(tmp_path):
+    """``code_commit`` marks a checkout ``-dirty`` for a changed or new source file, not for a
+    rewritten docs/benchmarks.md or a new results file (what every benchmark run leaves behind)."""
+    from benchmarks import _harness
+
+    def git(*args):
+        subprocess.run(
+            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            check=True,
+            capture_output=True,
+        )
+
+    for name in ("pimlayers/a.py", "docs/benchmarks.md", "benchmarks/results/old.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    clean = _harness.code_commit(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{7,}", clean)
+    (tmp_path / "docs/benchmarks.md").write_text("y\n")
+    (tmp_path / "benchmarks/results/new.json").write_text("{}\n")
+    (tmp_path / "benchmarks/results/old.json").write_text("{}\n")
+    assert _harness.code_commit(tmp_path) == clean
+    (tmp_path / "pimlayers/b.py").write_text("y\n")  # untracked source counts
+    assert _harness.code_commit(tmp_path) == clean + "-dirty"
+    (tmp_path / "pimlayers/b.py").unlink()
+    (tmp_path / "pimlayers/a.py").write_text("y\n")
+    assert _harness.code_commit(tmp_path) == clean + "-dirty"
+    assert _harness.code_commit(tmp_path / "pimlayers") == ""  # no .git of its own
 
 
 def test_results_file_carries_tag_note_and_commit(monkeypatch, tmp_path):
