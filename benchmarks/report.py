@@ -271,7 +271,10 @@ fields of `benchmarks.llama3.Step` set (`fused=1`: the fused forward GEMM). One 
 median step), then per variant the median of all its steps; `vs_base` = the base's median / the
 variant's (> 1: the variant is faster); from 2026-12-07 also `round_ratios` (that ratio per round),
 `faster_rounds` and `ci95_vs_base`, a 95% interval of `vs_base` by a two-level bootstrap (rounds,
-then each drawn process's steps): `resolved` when it excludes 1.
+then each drawn process's steps): `resolved` when it excludes 1; from 2026-12-07's sixty-fifth session
+also `ci95_rounds`, a t interval of the rounds' geometric-mean ratio, and `resolved` only where both
+exclude 1 (with two rounds the bootstrap spans just their two ratios: step-ab-s65fvbwd's "resolved"
+0.966x has a rounds' interval of 0.840-1.133).
 
 Reading the rev-ab table: `python -m benchmarks.rev_ab --rev REV --case flash` (or `--case matmul`)
 times the working tree's kernels against revision REV's (or the package in folder REV, such as

@@ -17,8 +17,9 @@ parameter flips are injected (5, as the suite; in 6-step runs of the 4-layer ste
 rows give each process's median step (and its steps, what it injected and detected, and the host's
 time in each step's call, ``calls_ms``: near the step time, the host waited inside the call) and, per
 variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
-(> 1: faster), its ratio in each round and a 95% bootstrap interval that counts the spread between
-processes (``summarize``): whether the run resolves the difference. On an H200 (2026-12-03) the
+(> 1: faster), its ratio in each round, a 95% bootstrap interval that counts the spread between
+processes and a t interval over the rounds (``summarize``): whether the run resolves the difference
+(both intervals must exclude 1; one round resolves nothing). On an H200 (2026-12-03) the
 medians of processes running the same code differed by up to 9 ms in a 120 ms step (each process
 autotuning its own GEMMs, as the tool then had them do): resolving a change of a few ms takes
 several rounds. The
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -160,8 +162,13 @@ def summarize(runs: list[tuple[str, int, list[float]]], resamples: int = 2000) -
     ``ci95_vs_base``, a 95% interval of ``vs_base`` by a two-level bootstrap (``resamples`` draws,
     seeded: rounds drawn with replacement, the same rounds for both variants, then each drawn
     process's steps with replacement), so the spread between processes (each autotunes and places
-    its own programs) counts, not only between steps. ``resolved``: the interval excludes 1. With
-    two rounds the interval rests on two processes a variant: a wide interval says to run more."""
+    its own programs) counts, not only between steps; and ``ci95_rounds``, a t interval (n - 1
+    degrees of freedom) of the rounds' geometric-mean ratio. ``resolved``: both intervals exclude 1,
+    on the same side. The bootstrap alone is too narrow with few rounds: with two it spans just the
+    two rounds' ratios, so two rounds on the same side "resolve" any difference, where two processes
+    of the same code can differ by more than the difference (5.886 and 5.577 ms a call, the base of
+    step-ab-s65fvbwd, H100, 2026-12-07); the rounds' t interval, with one degree of freedom there,
+    asks for rounds that agree closely."""
 
     def row(variant, rnd, t):
         q25, q50, q75 = np.percentile(1e3 * np.asarray(t), [25, 50, 75])
@@ -199,12 +206,46 @@ def _paired(base: dict, variant: dict, resamples: int) -> dict:
         pick = rng.integers(0, len(rounds), len(rounds))
         draws.append(np.median(steps(base, pick)) / np.median(steps(variant, pick)))
     lo, hi = (float(x) for x in np.percentile(draws, [2.5, 97.5])) if draws else (float("nan"),) * 2
+    t_lo, t_hi = _rounds_interval(ratios)
     return dict(
         round_ratios=ratios,
         faster_rounds=sum(x > 1 for x in ratios),
         ci95_vs_base=[lo, hi],
-        resolved=bool(draws) and (lo > 1 or hi < 1),
+        ci95_rounds=[t_lo, t_hi],
+        resolved=bool(draws) and ((lo > 1 and t_lo > 1) or (hi < 1 and t_hi < 1)),
     )
+
+
+def interval_line(row: dict) -> str:
+    """A variant's pooled row (``summarize``) in words: its rounds, both intervals, the verdict."""
+    (lo, hi), (t_lo, t_hi) = row["ci95_vs_base"], row["ci95_rounds"]
+    ratios = ", ".join(f"{x:.4f}" for x in row["round_ratios"])
+    why = []
+    if not (lo > 1 or hi < 1):
+        why.append("the bootstrap's interval holds 1")
+    if math.isnan(t_lo):
+        why.append("one round gives no rounds' interval")
+    elif not (t_lo > 1 or t_hi < 1):
+        why.append("the rounds' interval holds 1")
+    verdict = (
+        "resolved" if row["resolved"] else f"not resolved ({'; '.join(why) or 'the intervals disagree'})"
+    )
+    return (
+        f"vs_base per round [{ratios}], faster in {row['faster_rounds']} of {len(row['round_ratios'])}; "
+        f"95% intervals: bootstrap {lo:.4f}-{hi:.4f}, rounds' t {t_lo:.4f}-{t_hi:.4f}: {verdict}"
+    )
+
+
+def _rounds_interval(ratios: list[float]) -> tuple[float, float]:
+    """A 95% t interval of the rounds' geometric-mean ratio (the rounds as independent samples of the
+    ratio between two processes); NaN with fewer than two rounds (NaN compares false: unresolved)."""
+    from scipy import stats
+
+    logs = np.log(np.asarray(ratios, float))
+    if logs.size < 2:
+        return float("nan"), float("nan")
+    half = float(stats.t.ppf(0.975, logs.size - 1)) * float(logs.std(ddof=1)) / np.sqrt(logs.size)
+    return float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
 
 
 def variant_envs(environ: dict, setting: dict, cache: str, own_autotuning: bool) -> tuple[dict, dict]:
@@ -345,17 +386,11 @@ def main(argv=None) -> None:
             "  ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in row.items()
-                if k not in ("steps_ms", "calls_ms", "faults", "round_ratios", "ci95_vs_base")
+                if k not in ("steps_ms", "calls_ms", "faults", "round_ratios", "ci95_vs_base", "ci95_rounds")
             )
         )
         if "ci95_vs_base" in row:
-            lo, hi = row["ci95_vs_base"]
-            ratios = ", ".join(f"{x:.4f}" for x in row["round_ratios"])
-            print(
-                f"  vs_base per round [{ratios}], faster in {row['faster_rounds']} of "
-                f"{len(row['round_ratios'])}; 95% interval {lo:.4f}-{hi:.4f}: "
-                + ("resolved" if row["resolved"] else "not resolved (the interval holds 1)")
-            )
+            print("  " + interval_line(row))
     print(
         "wrote",
         write_result("step-ab", rows, command_line("benchmarks.step_ab"), tag=args.tag, note=args.note),

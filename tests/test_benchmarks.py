@@ -1481,7 +1481,12 @@ def test_step_ab_summary_pools_steps_per_variant_against_the_first():
     # Faster in both rounds by more than the steps' and the processes' spread: resolved.
     assert x["round_ratios"] == pytest.approx([122.0 / 112.0, 126.0 / 114.0])
     assert x["faster_rounds"] == 2 and x["resolved"] and x["ci95_vs_base"][0] > 1.05
+    logs = np.log(x["round_ratios"])  # the rounds' t interval, one degree of freedom: t = 12.706
+    half = 12.7062 * np.std(logs, ddof=1) / np.sqrt(2)
+    assert x["ci95_rounds"] == pytest.approx(np.exp([logs.mean() - half, logs.mean() + half]), rel=1e-4)
+    assert 1 < x["ci95_rounds"][0] < x["ci95_vs_base"][0]
     assert "round_ratios" not in base
+    assert step_ab.interval_line(x).endswith(": resolved")
 
 
 def test_step_ab_interval_counts_the_spread_between_processes():
@@ -1506,6 +1511,31 @@ def test_step_ab_interval_counts_the_spread_between_processes():
              for r, off in enumerate([0.0, 0.4, -0.3, 0.2, -0.1, 0.3]) for name in ("base", "v")]  # fmt: skip
     v = step_ab.summarize(clear)[-1]
     assert v["faster_rounds"] == 6 and v["resolved"] and v["ci95_vs_base"][0] > 1
+
+
+def test_step_ab_two_rounds_on_one_side_do_not_resolve_a_difference_within_the_process_spread():
+    """Two rounds whose ratios differ (0.988 and 0.965, as step-ab-s65fvbwd's, where the base's two
+    processes took 5.886 and 5.577 ms): the bootstrap, drawing from two rounds, spans just those two
+    ratios and excludes 1; the rounds' t interval (one degree of freedom) holds it: not resolved. One
+    round has no rounds' interval and resolves nothing."""
+    from benchmarks import step_ab
+
+    rng = np.random.default_rng(2)
+    steps = lambda ms: list(1e-3 * (ms + 0.02 * rng.standard_normal(99)))
+    runs = [
+        ("base", 0, steps(5.886)),
+        ("v", 0, steps(5.960)),
+        ("base", 1, steps(5.577)),
+        ("v", 1, steps(5.782)),
+    ]
+    v = step_ab.summarize(runs)[-1]
+    assert v["round_ratios"] == pytest.approx([5.886 / 5.960, 5.577 / 5.782], rel=2e-3)
+    assert v["ci95_vs_base"][1] < 1  # the bootstrap alone would call it
+    assert v["ci95_rounds"][0] < 1 < v["ci95_rounds"][1] and not v["resolved"]
+    assert "the rounds' interval holds 1" in step_ab.interval_line(v)
+    one = step_ab.summarize(runs[:2])[-1]
+    assert np.isnan(one["ci95_rounds"]).all() and not one["resolved"]
+    assert "one round gives no rounds' interval" in step_ab.interval_line(one)
 
 
 def test_step_ab_variants_share_autotuning_even_when_the_setting_is_xlas_flags():
