@@ -52,8 +52,10 @@ fused kernel, block sums and all, is faster); `default` marks the tiling the lib
 flash-tiling table (`python -m benchmarks.run --suite flash-tiling`, Hopper) does the same for the
 verified flash attention's forward kernel (`ops.flash_attention`, with its checks and without)
 under each `FlashConfig` tiling at goal 2's shape against cuDNN's flash attention: `ratio` is
-cuDNN's time / the kernel's, `max_check` the largest check ratio on clean inputs (at most 1), and a
-tiling that does not build has its `error` instead of a time. The
+cuDNN's time / the kernel's, `vs_default` (from 2026-12-07's sixty-fifth session) the default
+verified kernel's time / this one's, the two timed against each other in alternating batches,
+`max_check` the largest check ratio on clean inputs (at most 1), and a tiling that does not build
+has its `error` instead of a time. The
 `profile-compare-kernels` tables (`python -m benchmarks.profile --compare` of two `profile-protect`
 or `profile-off` files) set two configurations' steps on one card side by side per kernel:
 `diff_ms` = first - second.

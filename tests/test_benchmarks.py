@@ -2536,7 +2536,13 @@ def test_flash_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
 
     monkeypatch.setattr(_flash, "hopper", lambda: True)
     monkeypatch.setattr("pimlayers.ops.flash_attention", kernel)
-    monkeypatch.setattr(flash_tiling, "time_pair", lambda f, fa, g, ga, **kw: (2e-3, 4e-3, 0.5))
+    pairs = []
+
+    def time_pair(f, fa, g, ga, **kw):
+        pairs.append((f, g))
+        return (2e-3, 4e-3, 0.5) if len(pairs) == 1 or pairs[-2][1] is not g else (3e-3, 3e-3, 0.97)
+
+    monkeypatch.setattr(flash_tiling, "time_pair", time_pair)
     xla = functools.partial(jax.nn.dot_product_attention, implementation="xla")
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation, **kw: xla(*a, **kw))
     # (jax's own attention promotes bf16 with f32 inside, which the suite's strict promotion refuses)
@@ -2552,6 +2558,9 @@ def test_flash_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
     assert {r["ratio"] for r in timed} == {0.5} and timed[0]["cudnn_ms"] == 2.0 and timed[0]["ms"] == 4.0
     assert [r["default"] for r in rows].count(True) == 2 and rows[0]["default"]  # verified and not
     assert all(r["max_check"] <= 1.0 for r in timed if r["kernel"] == "verified")
+    # Every timed row but the default verified one is also timed against that one, directly.
+    assert "vs_default" not in rows[0] and all(r["vs_default"] == 0.97 for r in timed[1:])
+    assert len(pairs) == 2 * len(timed) - 1 and all(f is pairs[0][1] for f, _ in pairs[2::2])
 
     # A kernel whose output is off, or that flags clean rows, is refused before any timing.
     def wrong(q, k, v, checks=True, config=None):
