@@ -273,6 +273,9 @@ def code_commit(root: pathlib.Path = ROOT) -> str:
     return rev + ("-dirty" if changed is None or changed else "")
 
 
+# The code behind a result: the package with its native sources, the model, the training script and
+# the benchmarks (not their results), with the build's configuration. Build products (the extension's
+# .so copied into the package) and caches have other suffixes.
 SOURCE_PATHS = ("pimlayers", "csrc", "models", "train", "benchmarks", "CMakeLists.txt", "pyproject.toml")
 _SOURCE_SUFFIXES = frozenset({".py", ".cc", ".cu", ".h", ".txt", ".toml"})
 

@@ -107,12 +107,13 @@ class FlashConfig:
     # and its 64-column swizzled pieces cannot take 8 more columns. Costs a transpose of v through
     # XLA before the kernel (one read and write of v). None (the default): off, unless the process's
     # environment has ``PIMLAYERS_FLASH_FUSE_V=1`` (:func:`fused_value_check`), which reaches the layers'
-    # kernels without a config threaded through them. Opt-in: it has not measured faster. On an H100
-    # (2026-12-07, ``python -m benchmarks.run --suite flash-tiling``) the kernel ran at 0.921x of
-    # cuDNN against the default's 0.913x (1.103 against 1.084 ms in absolute terms, cuDNN's own time
-    # moving between the pairs), and the attention core with it against without it
-    # (``python -m benchmarks.step_ab --attention fwd --env PIMLAYERS_FLASH_FUSE_V=1``) gave 1.004x
-    # forward and 1.015x forward+backward, both intervals holding 1.
+    # kernels without a config threaded through them. Opt-in: the attention core has not measured
+    # faster with it. On an H100 (2026-12-07, ``python -m benchmarks.run --suite flash-tiling``) the
+    # kernel ran at 0.921x of cuDNN against the default's 0.913x (1.103 against 1.084 ms in absolute
+    # terms, cuDNN's own time moving between the pairs; three sweeps put it 0.7 to 1.1 points ahead),
+    # and the attention core with it against without it (``python -m benchmarks.step_ab --attention
+    # fwd --env PIMLAYERS_FLASH_FUSE_V=1``) gave 1.004x forward and 1.015x forward+backward, both
+    # unresolved. The sweep's ``vs_default`` (the two kernels timed against each other) is to decide.
     fuse_v: bool | None = None
     # The checksum and bound tiles from two Pallas (Triton) kernels, one pass over k and v
     # (``_flash_bounds``), instead of XLA's seven kernels. None (the default): the Triton kernels on
