@@ -123,18 +123,22 @@ def test_checked_fused_gemm_kernel_matches_the_reference(interpreted, shape, b_t
 
 
 @in_process
-def test_pipelines_have_no_races(interpreted):
+@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.FUSE_V], ids=["default", "fused-v"])
+def test_pipelines_have_no_races(interpreted, config):
     """The race detector (vector clocks through the barriers) over a forward with three key blocks per
-    CTA, so the two-stage K/V pipeline refills its slots, and a GQA backward. The detector's state is
+    CTA, so the two-stage K/V pipeline refills its slots (with fuse_v: the transposed value tile and
+    the checksum tile under one barrier of two arrivals), and a GQA backward. The detector's state is
     the last kernel's (each call starts afresh): of the backward's two kernels, the dk/dv one."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     q, k, v = gpu_fwd._qkv(1, 384, 2, 1, 64, seed=4)
     with mgpu_interpret.interpret(detect_races=True):
-        out, lse, _ = ops.flash_attention(q, k, v, causal=False)
+        out, lse, _ = ops.flash_attention(q, k, v, causal=False, config=config)
         jax.block_until_ready(out)
         races = gpu_callbacks.get_races()
         assert races.reads and not races.races_found  # it watched the kernel's reads, found no race
+        if config.fuse_v:
+            return  # the backward kernels take no FlashConfig: the default's case runs them
         do = gpu_fwd._qkv(1, 384, 2, 1, 64, seed=5)[0]
         jax.block_until_ready(ops.flash_attention_bwd(q, k, v, out, lse, do, causal=False))
         races = gpu_callbacks.get_races()
@@ -190,7 +194,9 @@ CASES = {  # the default run's cases, each in a fresh process
     "fused-gemm-checked-bt": lambda: test_checked_fused_gemm_kernel_matches_the_reference(
         None, (256, 192, 512), True
     ),
-    "races": lambda: test_pipelines_have_no_races(None),
+    "races": lambda: test_pipelines_have_no_races(None, ops.FlashConfig()),
+    # The opt-in fused output check's pipeline: value and checksum tiles under one two-arrival barrier.
+    "races-fused-v": lambda: test_pipelines_have_no_races(None, gpu_fwd.FUSE_V),
     # The device redo: only flagged CTAs rewritten, bit for bit the fault-free kernels' rows.
     "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(
         None, REDO_FWD, ops.FlashConfig()
