@@ -195,8 +195,6 @@ CASES = {  # the default run's cases, each in a fresh process
         None, (256, 192, 512), True
     ),
     "races": lambda: test_pipelines_have_no_races(None, ops.FlashConfig()),
-    # The opt-in fused output check's pipeline: value and checksum tiles under one two-arrival barrier.
-    "races-fused-v": lambda: test_pipelines_have_no_races(None, gpu_fwd.FUSE_V),
     # The device redo: only flagged CTAs rewritten, bit for bit the fault-free kernels' rows.
     "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(
         None, REDO_FWD, ops.FlashConfig()
