@@ -197,10 +197,10 @@ def write_result(
     """Write ``rows`` to ``benchmarks/results/<date>-<suite>[-<tag>]-<device>.json`` (replacing a file of
     that name: a second run the same day needs its own ``tag`` to keep the first) with the date,
     device, versions, command, the code's commit where the checkout is a git repository (``-dirty``
-    with uncommitted changes), the digest of its source files (``source_digest``), the folder of the
-    ``pimlayers`` package this process imported where it is not this tree's (``foreign_package``:
-    the commit and digest then name code that did not run) and an optional ``note`` (shown above
-    the table in docs/benchmarks.md). ``measured_on`` (``device``, ``jax``,
+    with uncommitted changes to the source: ``code_commit``), the digest of its source files
+    (``source_digest``), the folder of the ``pimlayers`` package this process imported where it is
+    not this tree's (``foreign_package``: the commit and digest then name code that did not run) and
+    an optional ``note`` (shown above the table in docs/benchmarks.md). ``measured_on`` (``device``, ``jax``,
     ``python``) names where rows derived from other results files were measured, in place of this
     process's (a table built here from GPU measurements is still a GPU table).
     """

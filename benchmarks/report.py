@@ -16,11 +16,12 @@ carries XLA_FLAGS). Ratios compare against the peer measured in the same run: ra
 our time (> 1 means ours is faster). GB/s counts the bytes an op must move (inputs read once,
 outputs written once); "copy_fraction" relates that to the device copy bandwidth measured in the
 same run. Newer files name the code they ran (`code:`, the commit, `-dirty` with uncommitted
-changes; a copy of the tree without git names none; `source:`, a digest of the source files that
-`python -m benchmarks.digest REV` gives for a commit; where the process imported another `pimlayers`
-than the tree's, the package that ran, whose code the two do not name) and may carry a note
-(`--note`); `--tag` keeps a second run of one day in its own file (`python -m benchmarks.profile ...
---save TAG` writes the profile's tables the same way).
+changes, since 2026-12-07's sixty-fifth session to the source alone; a copy of the tree without
+git names none; `source:`, a digest of the source files that `python -m benchmarks.digest REV`
+gives for a commit; where the process imported another `pimlayers` than the tree's, the package
+that ran, whose code the two do not name) and may carry a note (`--note`); `--tag` keeps a second
+run of one day in its own file (`python -m benchmarks.profile ... --save TAG` writes the profile's
+tables the same way).
 
 Reading the matmul table: "fwd+bwd" is `value_and_grad` of sum(y * g), so both sides run all three
 GEMMs (forward, dx, dw), as a training step does; TFLOP/s counts those three. `max_grad_diff` is the
@@ -276,7 +277,8 @@ variant's (> 1: the variant is faster); from 2026-12-07 also `round_ratios` (tha
 then each drawn process's steps): `resolved` when it excludes 1; from 2026-12-07's sixty-fifth session
 also `ci95_rounds`, a t interval of the rounds' geometric-mean ratio, and `resolved` only where both
 exclude 1 (with two rounds the bootstrap spans just their two ratios: step-ab-s65fvbwd's "resolved"
-0.966x has a rounds' interval of 0.840-1.133).
+0.966x has a rounds' interval of 0.840-1.134; `python -m benchmarks.step_ab --resummarize FILE ...`
+reads older files under the present rule).
 
 Reading the rev-ab table: `python -m benchmarks.rev_ab --rev REV --case flash` (or `--case matmul`)
 times the working tree's kernels against revision REV's (or the package in folder REV, such as

@@ -19,7 +19,8 @@ time in each step's call, ``calls_ms``: near the step time, the host waited insi
 variant, the median of all its steps, with ``vs_base`` = the base variant's median / this one's
 (> 1: faster), its ratio in each round, a 95% bootstrap interval that counts the spread between
 processes and a t interval over the rounds (``summarize``): whether the run resolves the difference
-(both intervals must exclude 1; one round resolves nothing). On an H200 (2026-12-03) the
+(both intervals must exclude 1; one round resolves nothing; ``--resummarize FILE ...`` reads saved
+files again under this rule). On an H200 (2026-12-03) the
 medians of processes running the same code differed by up to 9 ms in a 120 ms step (each process
 autotuning its own GEMMs, as the tool then had them do): resolving a change of a few ms takes
 several rounds. The
@@ -236,6 +237,28 @@ def interval_line(row: dict) -> str:
     )
 
 
+def resummarize(files: list[str]) -> list[dict]:
+    """Step-ab results files' per-process rows (their ``steps_ms``) through ``summarize`` again: a file
+    written before a change of its verdict's rule (``ci95_rounds``: 2026-12-07) read under the
+    present one. Prints each variant's line beside what the file said; returns the pooled rows."""
+    pooled = []
+    for f in files:
+        data = json.loads(pathlib.Path(f).read_text())
+        if data.get("suite") != "step-ab":
+            raise ValueError(f"benchmarks.step_ab --resummarize: {f} is a {data.get('suite')!r} file")
+        old = {r["variant"]: r for r in data["rows"] if r["round"] == "all"}
+        procs = [r for r in data["rows"] if r["round"] != "all"]
+        if not all("steps_ms" in r for r in procs):
+            raise ValueError(f"benchmarks.step_ab --resummarize: {f} keeps no steps per process (steps_ms)")
+        print(pathlib.Path(f).name)
+        for row in summarize([(r["variant"], r["round"], [1e-3 * x for x in r["steps_ms"]]) for r in procs]):
+            if "ci95_vs_base" in row:
+                said = old[row["variant"]].get("resolved")
+                print(f"  {row['variant']}: {interval_line(row)} (the file said resolved={said})")
+                pooled.append(row | dict(file=pathlib.Path(f).name, file_resolved=said))
+    return pooled
+
+
 def _rounds_interval(ratios: list[float]) -> tuple[float, float]:
     """A 95% t interval of the rounds' geometric-mean ratio (the rounds as independent samples of the
     ratio between two processes); NaN with fewer than two rounds (NaN compares false: unresolved)."""
@@ -313,10 +336,18 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--tag", default="")
     ap.add_argument("--note", default="")
+    ap.add_argument(
+        "--resummarize",
+        nargs="+",
+        metavar="FILE",
+        help="no run: each step-ab results file's processes summarized again under the present rule",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
+    if args.resummarize:
+        return resummarize(args.resummarize)
     setting = {}
     for kv in args.env:
         name, sep, value = kv.partition("=")

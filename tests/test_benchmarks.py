@@ -1538,6 +1538,32 @@ def test_step_ab_two_rounds_on_one_side_do_not_resolve_a_difference_within_the_p
     assert "one round gives no rounds' interval" in step_ab.interval_line(one)
 
 
+def test_step_ab_resummarize_reads_a_saved_file_under_the_present_rule(tmp_path, capsys):
+    """``--resummarize``: a file's per-process steps through ``summarize`` again, beside the verdict
+    the file recorded (here one written before the rounds' interval, which called it resolved)."""
+    from benchmarks import step_ab
+
+    rng = np.random.default_rng(2)
+    steps = lambda ms: list(1e-3 * (ms + 0.02 * rng.standard_normal(99)))
+    runs = [
+        ("base", 0, steps(5.886)),
+        ("v", 0, steps(5.960)),
+        ("base", 1, steps(5.577)),
+        ("v", 1, steps(5.782)),
+    ]
+    rows = step_ab.summarize(runs)
+    rows[-1] = {k: v for k, v in rows[-1].items() if k != "ci95_rounds"} | dict(resolved=True)
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps(dict(suite="step-ab", rows=rows)))
+    (row,) = step_ab.main(["--resummarize", str(f)])
+    assert row["file"] == "old.json" and row["file_resolved"] is True and not row["resolved"]
+    assert row["ci95_rounds"][0] < 1 < row["ci95_rounds"][1]
+    assert "(the file said resolved=True)" in capsys.readouterr().out
+    f.write_text(json.dumps(dict(suite="peers", rows=[])))
+    with pytest.raises(ValueError, match="'peers' file"):
+        step_ab.main(["--resummarize", str(f)])
+
+
 def test_step_ab_variants_share_autotuning_even_when_the_setting_is_xlas_flags():
     from benchmarks.step_ab import variant_envs
 

@@ -536,8 +536,9 @@ def train(cfg: TrainConfig) -> dict:
     # timed interval starts when the device has finished it. Read after the next step was queued,
     # as the others are, its read waited for that call, and a call slow on the host moved time from
     # the first timed interval into the untimed one: on an H100 (2026-12-07) the plain checks'
-    # step timed its first step at 11-17 ms against ~108 for the others (why its call was slow was
-    # not recorded; benchmarks.step_ab now keeps the calls' times).
+    # step timed its first step at 11-17 ms against ~108 for the others. Read as now, the same step's
+    # first timed step took ~135 ms (H100, step-ab-s65wc): the loaded program's first run is ~25 ms
+    # longer than the rest, which the median leaves out.
     pending, first = None, None
     for s in bar:
         if store is not None and cfg.flip_every and s > 0 and s % cfg.flip_every == 0:
