@@ -1513,6 +1513,16 @@ def test_step_ab_interval_counts_the_spread_between_processes():
     assert v["faster_rounds"] == 6 and v["resolved"] and v["ci95_vs_base"][0] > 1
 
 
+def _two_rounds_apart() -> list:
+    """step-ab-s65fvbwd's processes (medians 5.886 / 5.960 and 5.577 / 5.782 ms), 99 steps each."""
+    rng = np.random.default_rng(2)
+    steps = lambda ms: list(1e-3 * (ms + 0.02 * rng.standard_normal(99)))
+    return [
+        (n, r, steps(ms))
+        for n, r, ms in (("base", 0, 5.886), ("v", 0, 5.960), ("base", 1, 5.577), ("v", 1, 5.782))
+    ]
+
+
 def test_step_ab_two_rounds_on_one_side_do_not_resolve_a_difference_within_the_process_spread():
     """Two rounds whose ratios differ (0.988 and 0.965, as step-ab-s65fvbwd's, where the base's two
     processes took 5.886 and 5.577 ms): the bootstrap, drawing from two rounds, spans just those two
@@ -1520,14 +1530,7 @@ def test_step_ab_two_rounds_on_one_side_do_not_resolve_a_difference_within_the_p
     round has no rounds' interval and resolves nothing."""
     from benchmarks import step_ab
 
-    rng = np.random.default_rng(2)
-    steps = lambda ms: list(1e-3 * (ms + 0.02 * rng.standard_normal(99)))
-    runs = [
-        ("base", 0, steps(5.886)),
-        ("v", 0, steps(5.960)),
-        ("base", 1, steps(5.577)),
-        ("v", 1, steps(5.782)),
-    ]
+    runs = _two_rounds_apart()
     v = step_ab.summarize(runs)[-1]
     assert v["round_ratios"] == pytest.approx([5.886 / 5.960, 5.577 / 5.782], rel=2e-3)
     assert v["ci95_vs_base"][1] < 1  # the bootstrap alone would call it
@@ -1543,14 +1546,7 @@ def test_step_ab_resummarize_reads_a_saved_file_under_the_present_rule(tmp_path,
     the file recorded (here one written before the rounds' interval, which called it resolved)."""
     from benchmarks import step_ab
 
-    rng = np.random.default_rng(2)
-    steps = lambda ms: list(1e-3 * (ms + 0.02 * rng.standard_normal(99)))
-    runs = [
-        ("base", 0, steps(5.886)),
-        ("v", 0, steps(5.960)),
-        ("base", 1, steps(5.577)),
-        ("v", 1, steps(5.782)),
-    ]
+    runs = _two_rounds_apart()
     rows = step_ab.summarize(runs)
     rows[-1] = {k: v for k, v in rows[-1].items() if k != "ci95_rounds"} | dict(resolved=True)
     f = tmp_path / "old.json"
