@@ -322,7 +322,7 @@ def without_options(argv, flags=(), values=()) -> list[str]:
 
 def command_line(module: str = "benchmarks.run", argv: list[str] | None = None) -> str:
     """The command that ran ``module``, as a results file records it: the library's switches set in
-    the environment (every ``PIMLAYERS_*``: ``PIMLAYERS_FLASH_FUSE_V=1``, ``PIMLAYERS_CHECKS_KERNEL=1``,
+    the environment (every ``PIMLAYERS_*``: ``PIMLAYERS_FLASH_FUSE_V=0``, ``PIMLAYERS_CHECKS_KERNEL=1``,
     ... change what the kernels do, so a command without them would not run the same code) and
     XLA_FLAGS where set, then its arguments ``argv`` where a caller passed them to ``main(argv)``,
     else the process's."""

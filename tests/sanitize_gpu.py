@@ -59,12 +59,12 @@ def flash_cases(which: str = "") -> list:
     fwd = [
         *[
             (TF.test_kernel_matches_reference, (None, shape, cfg))
-            for cfg in (TF.ops.FlashConfig(), TF.FUSE_V)
+            for cfg in (TF.ops.FlashConfig(), TF.V_APART)
             for shape in TF.SHAPES[:3]
         ],
         *[
             (TF.test_kernel_flags_the_rows_the_reference_flags, (None, shape, cfg))
-            for cfg in (TF.ops.FlashConfig(), TF.FUSE_V)
+            for cfg in (TF.ops.FlashConfig(), TF.V_APART)
             for shape in TF.SHAPES[:2]
         ],
     ]
@@ -83,7 +83,7 @@ def flash_cases(which: str = "") -> list:
     redo = [
         *[
             (TF.test_redo_kernel_rewrites_the_flagged_blocks_alone, (None, shape, cfg))
-            for cfg in (TF.ops.FlashConfig(), TF.FUSE_V)
+            for cfg in (TF.ops.FlashConfig(), TF.V_APART)
             for shape in TF.REDO_SHAPES
         ],
         (TF.test_redo_kernel_gates_its_rows, (None,)),

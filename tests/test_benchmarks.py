@@ -766,11 +766,11 @@ def test_command_line_carries_the_librarys_switches_and_xla_flags(monkeypatch):
     assert _harness.command_line("benchmarks.run", ["--suite", "peers"]) == (
         "python -m benchmarks.run --suite peers"
     )
-    monkeypatch.setenv("PIMLAYERS_FLASH_FUSE_V", "1")
+    monkeypatch.setenv("PIMLAYERS_FLASH_FUSE_V", "0")
     monkeypatch.setenv("PIMLAYERS_CHECKS_KERNEL", "1")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/a b")
     assert _harness.command_line("benchmarks.step_ab", ["--rounds", "2"]) == (
-        "PIMLAYERS_CHECKS_KERNEL=1 PIMLAYERS_FLASH_FUSE_V=1 "
+        "PIMLAYERS_CHECKS_KERNEL=1 PIMLAYERS_FLASH_FUSE_V=0 "
         "XLA_FLAGS='--xla_gpu_autotune_level=0 --xla_dump_to=/tmp/a b' "
         "python -m benchmarks.step_ab --rounds 2"
     )
@@ -2539,7 +2539,7 @@ def test_flash_tiling_suite_checks_each_tiling_before_timing_it(monkeypatch):
     assert flash_tiling.run() == []  # not a Hopper GPU: nothing to time
     grid = flash_tiling.configs()
     assert grid[0] == _flash.FlashConfig() and len(set(grid)) == len(grid) == 18
-    assert sum(c.fuse_v is True for c in grid) == 6 and all(c.fuse_e for c in grid if c.fuse_v)
+    assert sum(c.fuse_v is False for c in grid) == 6 and all(c.fuse_e for c in grid if c.fuse_v is False)
     # Every tiling takes goal 2's shape (B = 1, T = 8192, 32/8 heads, D = 128, causal).
     a = flash_tiling.ATTN
     qs, ks = (a["b"], a["t"], a["h"], a["d"]), (a["b"], a["t"], a["kv"], a["d"])

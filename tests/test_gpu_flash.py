@@ -40,13 +40,13 @@ SHAPES = [  # (B, T, H, KV, D, causal)
 ]
 
 
-FUSE_V = ops.FlashConfig(fuse_v=True)  # the output check's columns from the output's own wgmma
+V_APART = ops.FlashConfig(fuse_v=False)  # the output check's columns from a wgmma of their own
 
 
 @pytest.mark.parametrize(
     "config",
-    [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), ops.FlashConfig(bounds_kernel=False), FUSE_V],
-    ids=["default", "e-apart", "xla-bounds", "fused-v"],
+    [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), ops.FlashConfig(bounds_kernel=False), V_APART],
+    ids=["default", "e-apart", "xla-bounds", "v-apart"],
 )
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_reference(hopper, shape, config):
@@ -64,8 +64,8 @@ def test_kernel_matches_reference(hopper, shape, config):
 
 @pytest.mark.parametrize(
     "config",
-    [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=False), FUSE_V],
-    ids=["default", "xla-bounds", "fused-v"],
+    [ops.FlashConfig(), ops.FlashConfig(bounds_kernel=False), V_APART],
+    ids=["default", "xla-bounds", "v-apart"],
 )
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_flags_the_rows_the_reference_flags(hopper, shape, config):
@@ -215,7 +215,28 @@ def _redone(flags):
 REDO_SHAPES = [(2, 384, 4, 2, 128, True), (1, 256, 8, 2, 64, False)]
 
 
-@pytest.mark.parametrize("config", [ops.FlashConfig(), FUSE_V], ids=["default", "fused-v"])
+def test_a_forward_and_its_redo_transpose_v_once(hopper):
+    """The fused output check (the default) reads v transposed, (B, KV, D, S). The forward and its
+    device redo each ask for the transpose (the redo inside a jit of its own); in the compiled
+    program they share one: the forward with its redo makes as many arrays of that shape as the
+    forward alone, and ``fuse_v=False`` makes none."""
+    b, t, h, kv, d = 1, 384, 4, 2, 128
+    q, k, v = _qkv(b, t, h, kv, d, seed=9)
+    shape = f"= bf16[{b},{kv},{d},{t}]"  # an HLO instruction's result of the transposed shape
+
+    def made(fn, config):
+        text = jax.jit(lambda q, k, v: fn(q, k, v, config=config)[0]).lower(q, k, v).compile().as_text()
+        entry = text[text.index("\nENTRY") :]
+        entry = entry[: entry.index("\n}")]  # the entry computation: each kernel's result once
+        return sum(shape in line for line in entry.splitlines())
+
+    one = made(ops.flash_attention, ops.FlashConfig())
+    assert one >= 1 and made(ops.flash_attention, V_APART) == 0
+    assert made(ops.flash_attention_with_redo, ops.FlashConfig()) == one
+    assert made(ops.flash_attention_with_redo, V_APART) == 0
+
+
+@pytest.mark.parametrize("config", [ops.FlashConfig(), V_APART], ids=["default", "v-apart"])
 @pytest.mark.parametrize("shape", REDO_SHAPES)
 def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape, config):
     b, t, h, kv, d, causal = shape

@@ -29,11 +29,17 @@ SHAPES = [  # (B, T, H, KV, D, causal)
 ]
 
 
+# What makes the backward's out and logsumexp: the forward kernel on a GPU; the interpreted run
+# (tests/test_interpreted_kernels.py) sets its XLA twin, as the backward takes any forward's results
+# and the interpreted forward would cost each backward case ~11 s of a CI worker's time.
+FORWARD = ops.flash_attention
+
+
 def _inputs(b, t, h, kv, d, causal, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     mk = lambda key, n: jax.random.normal(key, (b, t, n, d)).astype(jnp.bfloat16)
     q, k, v, do = mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv), mk(ks[3], h)
-    out, lse, _ = ops.flash_attention(q, k, v, causal=causal)
+    out, lse, _ = FORWARD(q, k, v, causal=causal)
     return q, k, v, out, lse, do
 
 

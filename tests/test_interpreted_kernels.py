@@ -60,6 +60,8 @@ def _interpreting():
         for mod in (ops._flash, ops._flash_bwd, ops._fused_gemm):
             mp.setattr(mod, "hopper", lambda: True)
         mp.setattr(ops._fused_gemm, "_sm_count", lambda: 2)  # a persistent grid of two CTAs
+        # The backward cases' out and logsumexp from XLA's forward (the forward cases interpret its kernel).
+        mp.setattr(gpu_bwd, "FORWARD", ops.flash_attention_reference)
         with mgpu_interpret.interpret():
             yield
 
@@ -80,8 +82,8 @@ FWD_SHAPES = [  # (B, T, H, KV, D, causal): one or two key blocks per CTA, GQA, 
 @in_process
 @pytest.mark.parametrize(
     "config",
-    [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), gpu_fwd.FUSE_V],
-    ids=["fused-e", "e-apart", "fused-v"],
+    [ops.FlashConfig(), ops.FlashConfig(fuse_e=False), gpu_fwd.V_APART],
+    ids=["default", "e-apart", "v-apart"],
 )
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 def test_forward_kernel_matches_the_reference(interpreted, shape, config):
@@ -89,7 +91,7 @@ def test_forward_kernel_matches_the_reference(interpreted, shape, config):
 
 
 @in_process
-@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.FUSE_V], ids=["default", "fused-v"])
+@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.V_APART], ids=["default", "v-apart"])
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 def test_forward_kernel_flags_the_rows_the_reference_flags(interpreted, shape, config):
     gpu_fwd.test_kernel_flags_the_rows_the_reference_flags(None, shape, config)
@@ -123,11 +125,12 @@ def test_checked_fused_gemm_kernel_matches_the_reference(interpreted, shape, b_t
 
 
 @in_process
-@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.FUSE_V], ids=["default", "fused-v"])
+@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.V_APART], ids=["default", "v-apart"])
 def test_pipelines_have_no_races(interpreted, config):
     """The race detector (vector clocks through the barriers) over a forward with three key blocks per
-    CTA, so the two-stage K/V pipeline refills its slots (with fuse_v: the transposed value tile and
-    the checksum tile under one barrier of two arrivals), and a GQA backward. The detector's state is
+    CTA, so the two-stage K/V pipeline refills its slots (by default the transposed value tile and
+    the checksum tile under one barrier of two arrivals; ``fuse_v=False``: the value tile alone, the
+    checksum tile under a barrier of its own), and a GQA backward. The detector's state is
     the last kernel's (each call starts afresh): of the backward's two kernels, the dk/dv one."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
@@ -137,7 +140,7 @@ def test_pipelines_have_no_races(interpreted, config):
         jax.block_until_ready(out)
         races = gpu_callbacks.get_races()
         assert races.reads and not races.races_found  # it watched the kernel's reads, found no race
-        if config.fuse_v:
+        if config.fuse_v is False:
             return  # the backward kernels take no FlashConfig: the default's case runs them
         do = gpu_fwd._qkv(1, 384, 2, 1, 64, seed=5)[0]
         jax.block_until_ready(ops.flash_attention_bwd(q, k, v, out, lse, do, causal=False))
@@ -149,7 +152,7 @@ REDO_FWD, REDO_BWD = (1, 256, 2, 1, 64, False), (1, 256, 2, 1, 64, True)  # two 
 
 
 @in_process
-@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.FUSE_V], ids=["default", "fused-v"])
+@pytest.mark.parametrize("config", [ops.FlashConfig(), gpu_fwd.V_APART], ids=["default", "v-apart"])
 @pytest.mark.parametrize("shape", [REDO_FWD, (1, 256, 4, 2, 128, True)])
 def test_forward_redo_rewrites_the_flagged_blocks_alone(interpreted, shape, config):
     gpu_fwd.test_redo_kernel_rewrites_the_flagged_blocks_alone(None, shape, config)
@@ -179,10 +182,11 @@ CASES = {  # the default run's cases, each in a fresh process
     "forward-flags": lambda: test_forward_kernel_flags_the_rows_the_reference_flags(
         None, FWD_SHAPES[2], ops.FlashConfig()
     ),
-    # The opt-in fused output check: a fault in the output accumulator flagged where the
-    # reference flags it (its check columns are that accumulator's last eight).
-    "forward-flags-fused-v": lambda: test_forward_kernel_flags_the_rows_the_reference_flags(
-        None, FWD_SHAPES[0], gpu_fwd.FUSE_V
+    # The output check in a wgmma of its own (``fuse_v=False``; by default its columns are the
+    # output accumulator's last eight): a fault in the output accumulator flagged where the
+    # reference flags it.
+    "forward-flags-v-apart": lambda: test_forward_kernel_flags_the_rows_the_reference_flags(
+        None, FWD_SHAPES[0], gpu_fwd.V_APART
     ),
     "backward": lambda: test_backward_kernels_match_the_reference(None, BWD),
     "backward-flags-dk": lambda: test_backward_kernels_flag_the_flipped_rows(None, "dk"),

@@ -15,9 +15,10 @@ verified per query row, EFTA-style (Xu et al., "EFTA: efficient fault-tolerant a
   accumulator rescaled with the output's; at the end the output accumulator's row sums must equal
   its first two columns. Its third column is the sum of the bf16 probabilities, which serves as the
   softmax's normaliser l (the softmax's own f32 row sum is skipped when checking): the output is
-  then exactly sum p16·v / sum p16. Its fourth and fifth are the check's bound, c vmax l. With
-  ``FlashConfig.fuse_v`` (opt-in) those columns come from the output's own wgmma: the value tile
-  is held transposed, (D, block_kv), and extended by the checksum tile's 8 rows, so N = D + 8.
+  then exactly sum p16·v / sum p16. Its fourth and fifth are the check's bound, c vmax l. By
+  default (``FlashConfig.fuse_v``) those columns come from the output's own wgmma: the value tile
+  is held transposed, (D, block_kv), and extended by the checksum tile's 8 rows, so N = D + 8;
+  ``fuse_v=False`` forms them in a second wgmma of N = 8 into an accumulator of their own.
 
 Both comparisons use a rounding-error bound (``lam`` as in :class:`pimlayers.FaultPolicy`):
 
@@ -105,15 +106,18 @@ class FlashConfig:
     # the checksum tile's 8 rows, so N = D + 8, instead of a second wgmma with N = 8. The transposed
     # tile is K-major, as the key tile is; the (block_kv, D) tile the kernel reads otherwise is not,
     # and its 64-column swizzled pieces cannot take 8 more columns. Costs a transpose of v through
-    # XLA before the kernel (one read and write of v). None (the default): off, unless the process's
-    # environment has ``PIMLAYERS_FLASH_FUSE_V=1`` (:func:`fused_value_check`), which reaches the layers'
-    # kernels without a config threaded through them. Opt-in: the attention core has not measured
-    # faster with it. On an H100 (2026-12-07, ``python -m benchmarks.run --suite flash-tiling``) the
-    # kernel ran at 0.921x of cuDNN against the default's 0.913x (1.103 against 1.084 ms in absolute
-    # terms, cuDNN's own time moving between the pairs; three sweeps put it 0.7 to 1.1 points ahead),
-    # and the attention core with it against without it (``python -m benchmarks.step_ab --attention
-    # fwd --env PIMLAYERS_FLASH_FUSE_V=1``) gave 1.004x forward and 1.015x forward+backward, both
-    # unresolved. The sweep's ``vs_default`` (the two kernels timed against each other) is to decide.
+    # XLA before the kernel (one read and write of v; a forward and its redo share one, as XLA
+    # merges the two: ``tests/test_gpu_flash.py``). None (the default): on, unless the process's
+    # environment has ``PIMLAYERS_FLASH_FUSE_V=0`` (:func:`fused_value_check`), which reaches the
+    # layers' kernels without a config threaded through them; False: the separate N = 8 wgmma.
+    # The default since 2026-12-07: timed directly against the separate wgmma in alternating
+    # batches (``python -m benchmarks.run --suite flash-tiling``, ``vs_default``) the kernel was
+    # 1.006x and 1.009x as fast on an H200 (0.932x of cuDNN against 0.917x in the second sweep),
+    # and three H100 sweeps put it 0.7 to 1.1 points of cuDNN's speed ahead. The attention core's
+    # step with it against without it (``python -m benchmarks.step_ab --attention fwd+bwd --env
+    # PIMLAYERS_FLASH_FUSE_V=1``) did not resolve a difference either way (H200 0.998x, H100
+    # 1.004x forward and 1.015x forward+backward): a gain under 1% of the forward kernel is below
+    # that tool's spread between processes.
     fuse_v: bool | None = None
     # The checksum and bound tiles from two Pallas (Triton) kernels, one pass over k and v
     # (``_flash_bounds``), instead of XLA's seven kernels. None (the default): the Triton kernels on
@@ -246,12 +250,12 @@ def bounds_kernel(flag: bool | None) -> bool | None:
 
 
 def fused_value_check(flag: bool | None) -> bool:
-    """``FlashConfig.fuse_v`` as the forward kernel takes it: None becomes True where the process's
-    environment has ``PIMLAYERS_FLASH_FUSE_V=1``, False otherwise. Read when a program is traced:
-    set it before the first call (``python -m benchmarks.step_ab --env PIMLAYERS_FLASH_FUSE_V=1``
-    times a step or the attention core with it, each variant in processes of its own)."""
+    """``FlashConfig.fuse_v`` as the forward kernel takes it: None becomes False where the process's
+    environment has ``PIMLAYERS_FLASH_FUSE_V=0``, True otherwise. Read when a program is traced:
+    set it before the first call (``python -m benchmarks.step_ab --env PIMLAYERS_FLASH_FUSE_V=0``
+    times a step or the attention core without it, each variant in processes of its own)."""
     if flag is None:
-        return os.environ.get("PIMLAYERS_FLASH_FUSE_V", "0") == "1"
+        return os.environ.get("PIMLAYERS_FLASH_FUSE_V", "1") != "0"
     return bool(flag)
 
 
@@ -697,8 +701,8 @@ def _kernel_call(
     if fuse_v:
         # (B, S, KV, D) -> (B, KV, D, S): each step's value tile is then a TMA box of D rows of bk
         # keys. A forward with its redo asks for the transpose in both calls (the redo's inside its
-        # own jit), which XLA's common-subexpression pass can merge into one; that a GPU's compiled
-        # step keeps one is not checked.
+        # own jit); the compiled program makes it once (XLA's common-subexpression pass merges them:
+        # tests/test_gpu_flash.py::test_a_forward_and_its_redo_transpose_v_once).
         v = jnp.transpose(v, (0, 2, 3, 1))
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
