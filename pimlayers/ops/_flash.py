@@ -106,10 +106,10 @@ class FlashConfig:
     # the checksum tile's 8 rows, so N = D + 8, instead of a second wgmma with N = 8. The transposed
     # tile is K-major, as the key tile is; the (block_kv, D) tile the kernel reads otherwise is not,
     # and its 64-column swizzled pieces cannot take 8 more columns. Costs a transpose of v through
-    # XLA before the kernel (one read and write of v; a forward and its redo share one, as XLA
-    # merges the two: ``tests/test_gpu_flash.py``). None (the default): on, unless the process's
-    # environment has ``PIMLAYERS_FLASH_FUSE_V=0`` (:func:`fused_value_check`), which reaches the
-    # layers' kernels without a config threaded through them; False: the separate N = 8 wgmma.
+    # XLA before the kernel (one read and write of v, inside the timings below). None (the
+    # default): on, unless the process's environment has ``PIMLAYERS_FLASH_FUSE_V=0``
+    # (:func:`fused_value_check`), which reaches the layers' kernels without a config threaded
+    # through them; False: the separate N = 8 wgmma.
     # The default since 2026-12-07: timed directly against the separate wgmma in alternating
     # batches (``python -m benchmarks.run --suite flash-tiling``, ``vs_default``) the kernel was
     # 1.006x and 1.009x as fast on an H200 (0.932x of cuDNN against 0.917x in the second sweep),
@@ -701,8 +701,9 @@ def _kernel_call(
     if fuse_v:
         # (B, S, KV, D) -> (B, KV, D, S): each step's value tile is then a TMA box of D rows of bk
         # keys. A forward with its redo asks for the transpose in both calls (the redo's inside its
-        # own jit); the compiled program makes it once (XLA's common-subexpression pass merges them:
-        # tests/test_gpu_flash.py::test_a_forward_and_its_redo_transpose_v_once).
+        # own jit), which XLA's common-subexpression pass can merge into one;
+        # tests/test_gpu_flash.py::test_a_forward_and_its_redo_transpose_v_once checks the compiled
+        # program (written 2026-12-07, not yet run on a GPU).
         v = jnp.transpose(v, (0, 2, 3, 1))
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
