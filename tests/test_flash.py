@@ -412,30 +412,36 @@ def test_flash_path_device_redo_gates_and_reports_as_the_loop_does():
 
 
 def test_the_fused_value_check_is_the_environments_where_the_config_leaves_it(monkeypatch):
-    """``FlashConfig.fuse_v`` None (the default) is on unless ``PIMLAYERS_FLASH_FUSE_V=0``, read when
-    a program is traced. Lowered for a GPU here (Mosaic GPU lowers without one), the fused output
-    check transposes v before the kernel: one transpose more than ``fuse_v=False``. Each lowering
-    takes a sequence length of its own, so none reads another's trace from the kernel's jit cache
-    (the switch is read when traced)."""
+    """``FlashConfig.fuse_v`` None (the default) is on unless ``PIMLAYERS_FLASH_FUSE_V=0``. Lowered
+    for a GPU here (Mosaic GPU lowers without one), the fused output check transposes v before the
+    kernel: one transpose more than ``fuse_v=False``. The switch is read at each call, before the
+    kernel's jit: flipped between two calls of one shape, in a jit of the caller's own each time,
+    the second call traces afresh and follows it (read inside the trace, it would reuse the first
+    call's program from the kernel's jit cache)."""
     monkeypatch.setattr(ops._flash, "hopper", lambda: True)
     monkeypatch.delenv("PIMLAYERS_FLASH_FUSE_V", raising=False)
     check = ops._flash.fused_value_check
     assert (check(None), check(True), check(False)) == (True, True, False)
 
-    def transposes(t, config=None):
-        q, k, v = (jnp.zeros((1, t, n, 64), jnp.bfloat16) for n in (4, 2, 2))
+    def transposes(config=None):
+        q, k, v = (jnp.zeros((1, 256, n, 64), jnp.bfloat16) for n in (4, 2, 2))
         fn = lambda q, k, v: ops.flash_attention(q, k, v, config=config)[0]
         return jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text().count("transpose")
 
-    apart = transposes(256, ops.FlashConfig(fuse_v=False))
-    assert transposes(256, ops.FlashConfig(fuse_v=True)) == apart + 1
-    assert transposes(384) == apart + 1
+    apart = transposes(ops.FlashConfig(fuse_v=False))
+    assert transposes(ops.FlashConfig(fuse_v=True)) == transposes() == apart + 1
     monkeypatch.setenv("PIMLAYERS_FLASH_FUSE_V", "0")
     assert (check(None), check(True)) == (False, True)
-    assert transposes(512) == apart
-    assert transposes(640, ops.FlashConfig(fuse_v=True)) == apart + 1
+    assert transposes() == apart
+    assert transposes(ops.FlashConfig(fuse_v=True)) == apart + 1
     monkeypatch.setenv("PIMLAYERS_FLASH_FUSE_V", "1")  # anything but 0 leaves it on
-    assert check(None)
+    assert check(None) and transposes() == apart + 1
+    # The entry points take the config resolved: what the environment said is in their jit's key.
+    assert ops._flash.resolved(None) == ops.FlashConfig(fuse_v=True, bounds_kernel=None)
+    monkeypatch.setenv("PIMLAYERS_BOUNDS_KERNEL", "0")
+    want = ops.FlashConfig(fuse_v=False, bounds_kernel=False)
+    assert ops._flash.resolved(ops.FlashConfig(fuse_v=False)) == want
+    assert ops._flash_bwd.resolved_bwd(None) == ops.FlashBwdConfig(bounds_kernel=False)
 
 
 def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(monkeypatch):

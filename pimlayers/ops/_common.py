@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -98,3 +99,20 @@ def first_true(mask: jax.Array, cap: int) -> jax.Array:
     inside = jnp.cumsum(m[c], axis=1)  # (cap, chunk)
     pos = jnp.argmax(inside > rank[:, None], axis=1).astype(jnp.int32)
     return c * chunk + pos
+
+
+def config_resolved(resolve):
+    """Decorates a jitted op whose static ``config`` has fields the environment decides when left at
+    None (``PIMLAYERS_FLASH_FUSE_V``, ``PIMLAYERS_BOUNDS_KERNEL``): ``resolve(config)`` makes them
+    explicit before the jit sees the config, so the jit's cache keys on what the environment said
+    at the call. Read inside the trace instead, a switch flipped between two calls of one shape
+    would reuse the first call's program, in this op's cache and in every jit that calls it."""
+
+    def deco(jitted):
+        @functools.wraps(jitted)
+        def call(*args, config=None, **kwargs):
+            return jitted(*args, config=resolve(config), **kwargs)
+
+        return call
+
+    return deco

@@ -65,6 +65,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int32
 
 from ._abft import _bf16_head
+from ._common import config_resolved
 from ._fused_gemm import hopper
 from ._vma import typed_like, vary_as
 
@@ -240,8 +241,9 @@ def flash_bounds(k, v, *, lam: float, config: FlashConfig | None = None):
 def bounds_kernel(flag: bool | None) -> bool | None:
     """``FlashConfig.bounds_kernel`` / ``FlashBwdConfig.bounds_kernel`` as the bounds take it: None
     (the Triton kernels on a GPU, XLA's elsewhere) becomes False (XLA's everywhere) where the
-    process's environment has ``PIMLAYERS_BOUNDS_KERNEL=0``. Read when a program is traced: set it
-    before the first call. For a process that cannot run Triton kernels on its GPU platform (jax's
+    process's environment has ``PIMLAYERS_BOUNDS_KERNEL=0``. Read at each call of the kernels'
+    entry points (:func:`resolved`), before their jit: within a jit of the caller's own, when that
+    is traced. For a process that cannot run Triton kernels on its GPU platform (jax's
     Mosaic-GPU interpreter on a CPU, ``tests/test_interpreted_kernels.py``), or to compare without
     threading a config through the layers."""
     if flag is None and os.environ.get("PIMLAYERS_BOUNDS_KERNEL", "1") == "0":
@@ -251,12 +253,22 @@ def bounds_kernel(flag: bool | None) -> bool | None:
 
 def fused_value_check(flag: bool | None) -> bool:
     """``FlashConfig.fuse_v`` as the forward kernel takes it: None becomes False where the process's
-    environment has ``PIMLAYERS_FLASH_FUSE_V=0``, True otherwise. Read when a program is traced:
-    set it before the first call (``python -m benchmarks.step_ab --env PIMLAYERS_FLASH_FUSE_V=0``
-    times a step or the attention core without it, each variant in processes of its own)."""
+    environment has ``PIMLAYERS_FLASH_FUSE_V=0``, True otherwise. Read as :func:`bounds_kernel`
+    is (``python -m benchmarks.step_ab --env PIMLAYERS_FLASH_FUSE_V=0`` times a step or the
+    attention core without it, each variant in processes of its own)."""
     if flag is None:
         return os.environ.get("PIMLAYERS_FLASH_FUSE_V", "1") != "0"
     return bool(flag)
+
+
+def resolved(config: FlashConfig | None) -> FlashConfig:
+    """``config`` (None: the default) with the fields the environment decides made explicit:
+    ``fuse_v`` (:func:`fused_value_check`) and ``bounds_kernel`` (:func:`bounds_kernel`). The
+    kernels' entry points take their config through this before their jit (``config_resolved``)."""
+    cfg = config or FlashConfig()
+    return dataclasses.replace(
+        cfg, fuse_v=fused_value_check(cfg.fuse_v), bounds_kernel=bounds_kernel(cfg.bounds_kernel)
+    )
 
 
 def _xla_bounds_unless_asked(cfg):
@@ -769,6 +781,7 @@ def _check_faults(q, faults: FlashFaults) -> None:
             )
 
 
+@config_resolved(resolved)
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "checks", "config"))
 def flash_attention(
     q: Float[Array, "b t h d"],
@@ -905,6 +918,7 @@ def _gate_spec(gate) -> tuple[float, float] | None:
     return None if gate is None else (float(gate[0]), float(gate[1]))
 
 
+@config_resolved(resolved)
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "gate", "config"))
 def flash_attention_with_redo(
     q: Float[Array, "b t h d"],
@@ -998,7 +1012,7 @@ def flash_attention_redo(
     replaced per row (zero where the CTA was not redone or ``gate`` is None). A redone row whose
     checks fail again says so in the returned checks. Hopper only, as :func:`flash_attention`;
     :func:`flash_attention_redo_reference` is the same through XLA."""
-    cfg = config or FlashConfig()
+    cfg = resolved(config)
     _check_inputs(q, k, v, causal, cfg)
     if q.dtype != jnp.bfloat16:
         raise TypeError(f"pimlayers.flash_attention_redo: q, k, v have dtype {q.dtype}; expected bfloat16")

@@ -77,6 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int32
 
+from ._common import config_resolved
 from ._flash import (
     _U,
     CS,
@@ -139,6 +140,13 @@ class FlashBwdConfig:
     # --suite bounds``), the verified backward 4.015 ms against 4.152 (``python -m
     # benchmarks.rev_ab``).
     bounds_kernel: bool | None = None
+
+
+def resolved_bwd(config: FlashBwdConfig | None) -> FlashBwdConfig:
+    """``config`` (None: the default) with ``bounds_kernel`` as the environment decides it
+    (:func:`pimlayers.ops._flash.bounds_kernel`), before the kernels' jit sees it."""
+    cfg = config or FlashBwdConfig()
+    return dataclasses.replace(cfg, bounds_kernel=bounds_kernel(cfg.bounds_kernel))
 
 
 def bwd_gemms(d: int, config: FlashBwdConfig | None = None) -> tuple[str, ...]:
@@ -696,6 +704,7 @@ def _prepare(q, k, v, out, lse, do, causal, scale, lam, cfg, name, with_bounds: 
     return cfg, scale, delta, bounds, (q, k, v, out, do)
 
 
+@config_resolved(resolved_bwd)
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "checks", "config"))
 def flash_attention_bwd(
     q: Float[Array, "b t h d"],
@@ -723,6 +732,7 @@ def flash_attention_bwd(
     return _bwd(q, k, v, out, lse, dout, faults, causal, scale, lam, checks, config, redo=False)
 
 
+@config_resolved(resolved_bwd)
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "lam", "config"))
 def flash_attention_bwd_with_redo(
     q: Float[Array, "b t h d"],
