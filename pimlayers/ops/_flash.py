@@ -713,9 +713,9 @@ def _kernel_call(
     if fuse_v:
         # (B, S, KV, D) -> (B, KV, D, S): each step's value tile is then a TMA box of D rows of bk
         # keys. A forward with its redo asks for the transpose in both calls (the redo's inside its
-        # own jit), which XLA's common-subexpression pass can merge into one;
-        # tests/test_gpu_flash.py::test_a_forward_and_its_redo_transpose_v_once checks the compiled
-        # program (written 2026-12-07, not yet run on a GPU).
+        # own jit), which XLA's common-subexpression pass can merge into one
+        # (tests/test_gpu_flash.py::test_a_forward_and_its_redo_transpose_v_once checks the
+        # compiled program; docs/gpu-tests.md says where it has run).
         v = jnp.transpose(v, (0, 2, 3, 1))
     row = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
