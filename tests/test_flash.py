@@ -486,6 +486,48 @@ def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(mo
     assert mosaic >= 6 and loops == 2
 
 
+LOWERED_FWD = [
+    ops.FlashConfig(),
+    ops.FlashConfig(fuse_v=False),
+    ops.FlashConfig(fuse_e=False),
+    ops.FlashConfig(block_kv=64, stages=4),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_kernel_variant_lowers_for_a_hopper_gpu(monkeypatch, d):
+    """Mosaic GPU lowers without a GPU, so this CPU checks what jax's GPU interpreter does not: each
+    forward variant, and the backward as two kernels and fused, with checks and without, lowers
+    for a Hopper GPU, its register arrays sliced along their layouts' tiles and its shared memory
+    within the 227 KB a CTA may have (the interpreter takes any slice and any size). Three stages
+    of 128 keys a step do not fit at D = 128, as the GPU sweeps found (flash-tiling-s64): the limit
+    is seen."""
+    for mod in (ops._flash, ops._flash_bwd):
+        monkeypatch.setattr(mod, "hopper", lambda: True)
+    b, t, h, kv = 1, 512, 4, 2
+    q, k = (jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16) for n in (h, kv))
+    lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+
+    def launches(fn, *args):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return text.count("custom_call @mosaic_gpu_v2")
+
+    for checks in (True, False):
+        for cfg in LOWERED_FWD:
+            fwd = lambda q, k, v, cfg=cfg, c=checks: ops.flash_attention(q, k, v, checks=c, config=cfg)[0]
+            assert launches(fwd, q, k, k) == 1, cfg
+        for fused in (False, True):
+            cfg = ops.FlashBwdConfig(fused=fused)
+            bwd = lambda *a, cfg=cfg, c=checks: ops.flash_attention_bwd(*a, checks=c, config=cfg)[:3]
+            assert launches(bwd, q, k, k, q, lse, q) == (1 if fused and d == 128 else 2), (fused, checks)
+    deep = lambda q, k, v: ops.flash_attention(q, k, v, config=ops.FlashConfig(stages=3))[0]
+    if d == 64:  # half the bytes a row: three stages fit
+        assert launches(deep, q, k, k) == 1
+        return
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        launches(deep, q, k, k)
+
+
 def test_kernel_paths_follow_the_default_device(monkeypatch):
     """``ops.hopper`` (the Hopper kernels) and the Triton redo's choice look at the device JAX
     computes on: on a machine whose first device is a Hopper GPU, a program placed on the CPU

@@ -3,15 +3,17 @@
 race detector over the pipelines' shared-memory buffers.
 
 What this covers that the CPU suite did not: the kernels' indexing, causal masking, GQA grouping,
-TMA pipelining and barriers, their in-kernel checksums, bounds and fault injection, against the
-same XLA references the GPU tests use, and the device redo's kernels (refs handed to a kernel and
-updated in place: ``mgpu_interpret`` places them in global memory). What it cannot: speed,
-asynchronous wgmma, the hardware's approximate exp2 and its own races (``compute-sanitizer`` on a
-GPU). Not interpreted yet: the opt-in fused backward kernel (``FlashBwdConfig(fused=True)``: it
-accumulates dq by TMA reduce-adds, which the interpreter does not support, "reduction_op not
-supported") and the Triton bounds kernels, the
-attention's default on a GPU, which the GPU interpreter cannot run (Pallas' own interpreter runs
-those, ``test_flash.py``): here the bounds are XLA's (``PIMLAYERS_BOUNDS_KERNEL=0``).
+TMA pipelining and barriers, their in-kernel checksums, bounds and fault injection, against the same
+XLA references the GPU tests use, and the device redo's kernels (refs handed to a kernel and updated
+in place: ``mgpu_interpret`` places them in global memory). What it cannot: speed, asynchronous
+wgmma, the hardware's approximate exp2 and its own races (``compute-sanitizer`` on a GPU), nor
+Mosaic GPU's lowering (register layouts' tiles, the shared memory a CTA may have), which
+``tests/test_flash.py`` checks on the CPU by lowering each kernel variant for a GPU. Not interpreted
+yet: the opt-in fused backward kernel (``FlashBwdConfig(fused=True)``: it accumulates dq by TMA
+reduce-adds, which the interpreter does not support, "reduction_op not supported") and the Triton
+bounds kernels, the attention's default on a GPU, which the GPU interpreter cannot run (Pallas' own
+interpreter runs those, ``test_flash.py``): here the bounds are XLA's
+(``PIMLAYERS_BOUNDS_KERNEL=0``).
 
 The interpreter can deadlock: each simulated warpgroup is a jitted program whose barrier waits
 block inside host callbacks, and on a 2-core machine a backward kernel's warpgroups have all waited
