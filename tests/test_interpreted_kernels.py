@@ -215,8 +215,9 @@ def test_kernel_interpreted_in_a_fresh_process(case):
     # The suite's XLA flags (conftest: 8 CPU devices, LLVM at -O0, on jaxlib 0.10 the loop
     # emitters): the interpreter's programs compile about twice as fast with them (all twelve cases,
     # two at a time on a 2-core machine: 181 s against 329). The deadlock above, once seen more often
-    # under these flags, was of kernels sharing a process; each case here has its own. A hang (the
-    # interpreter's, not a kernel's: every case passed alone) gets one retry, then fails.
+    # under these flags, was of kernels sharing a process; each case here has its own (four runs of
+    # all twelve under the flags, two at a time: no hang). A hang (the interpreter's, not a
+    # kernel's: every case passed alone) gets one retry, then fails.
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, __file__, case]
     for attempt in (1, 2):
