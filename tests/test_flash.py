@@ -29,6 +29,11 @@ def _qkv(b=B, t=T, h=H, kv=KV, d=D, seed=0, scale=1.0):
     return mk(ks[0], h), mk(ks[1], kv), mk(ks[2], kv)
 
 
+def _gpu_text(fn, *args) -> str:
+    """``fn``'s program lowered for a GPU, as text (Mosaic GPU and Triton lower without one)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _faults(rows, b=B, h=H, t=T):
     """FlashFaults with the given (site, batch, head, row, bit, key-or-column) flips."""
     return flash_faults(rows, b, h, t)
@@ -175,9 +180,8 @@ def test_the_references_bounds_are_xlas_unless_asked_for_the_kernels():
 
     q, k, v = _qkv()
     out, lse, _ = _reference(q, k, v)
-    low = lambda fn, *xs: jax.jit(fn).trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
-    fwd = lambda cfg: low(lambda a, b, c: ops.flash_attention_reference(a, b, c, config=cfg), q, k, v)
-    bwd = lambda cfg: low(
+    fwd = lambda cfg: _gpu_text(lambda a, b, c: ops.flash_attention_reference(a, b, c, config=cfg), q, k, v)
+    bwd = lambda cfg: _gpu_text(
         lambda *xs: ops.flash_attention_bwd_reference(*xs, config=cfg)[:3], q, k, v, out, lse, q
     )
     assert "triton" not in fwd(None) and "triton" not in bwd(None)
@@ -426,7 +430,7 @@ def test_the_fused_value_check_is_the_environments_where_the_config_leaves_it(mo
     def transposes(config=None):
         q, k, v = (jnp.zeros((1, 256, n, 64), jnp.bfloat16) for n in (4, 2, 2))
         fn = lambda q, k, v: ops.flash_attention(q, k, v, config=config)[0]
-        return jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text().count("transpose")
+        return _gpu_text(fn, q, k, v).count("transpose")
 
     apart = transposes(ops.FlashConfig(fuse_v=False))
     assert transposes(ops.FlashConfig(fuse_v=True)) == transposes() == apart + 1
@@ -461,7 +465,7 @@ def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(mo
     q, k, v = _qkv(d=128)
 
     def lowered(fn, *args):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = _gpu_text(fn, *args)
         calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
         return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"], text.count("stablehlo.while")
 
@@ -508,9 +512,7 @@ def test_every_kernel_variant_lowers_for_a_hopper_gpu(monkeypatch, d):
     q, k = (jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16) for n in (h, kv))
     lse = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
 
-    def launches(fn, *args):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        return text.count("custom_call @mosaic_gpu_v2")
+    launches = lambda fn, *args: _gpu_text(fn, *args).count("custom_call @mosaic_gpu_v2")
 
     for checks in (True, False):
         for cfg in LOWERED_FWD:
@@ -571,7 +573,7 @@ def test_the_hopper_kernels_type_check_inside_shard_map(monkeypatch, cpu_mesh):
     n = cpu_mesh.devices.size
 
     def lowered(fn, *args):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = _gpu_text(fn, *args)
         calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
         return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"], text.count("stablehlo.while")
 
