@@ -264,6 +264,32 @@ def test_redo_kernel_rewrites_the_flagged_blocks_alone(hopper, shape, config):
     np.testing.assert_allclose(o2, np.asarray(ro, np.float32), atol=1e-2)
 
 
+def test_persistent_redo_runs_several_units_a_cta(hopper):
+    """``FlashConfig(redo_ctas=3)``: the redo's 8 units (2 batches, 2 heads, 2 blocks of 128 query
+    rows; flat index (batch, head, block)) over 3 persistent CTAs, CTA p running the flagged ones of
+    p, p + 3, p + 6. Units 0, 3 and 6 (all CTA 0's, back to back) and 5 (CTA 2's last) are flagged.
+    At 64 keys a step each causal unit's first warpgroup skips key blocks that its rows do not see,
+    and every barrier must still be in step when the CTA's next unit starts."""
+    b, t, h, kv, d = 2, 256, 2, 1, 64
+    cfg = ops.FlashConfig(block_kv=64, redo_ctas=3)
+    q, k, v = _qkv(b, t, h, kv, d, seed=11)
+    units = [(0, 0, 0), (0, 1, 1), (1, 1, 0), (1, 0, 1)]  # (batch, head, block): flat 0, 3, 6, 5
+    faults = flash_faults([("scores", bi, hi, 128 * nq + 5, 30, 2) for bi, hi, nq in units], b, h, t)
+    out, lse, checks = ops.flash_attention(q, k, v, faults, config=cfg)
+    flags = np.asarray(ops.redo_flags(checks, cfg))
+    assert sorted(zip(*np.nonzero(flags), strict=True)) == sorted(units)
+    garbage = jnp.where(jnp.asarray(_redone(flags))[..., None], out, 3.0).astype(out.dtype)  # to be kept
+    o2, l2, c2, _ = ops.flash_attention_redo(q, k, v, jnp.asarray(flags), garbage, lse, checks, config=cfg)
+    clean, lse0, _ = ops.flash_attention(q, k, v, config=cfg)
+    rows = _redone(flags)
+    o2, garbage, clean = (np.asarray(a, np.float32) for a in (o2, garbage, clean))
+    np.testing.assert_array_equal(o2[rows], clean[rows])
+    np.testing.assert_array_equal(o2[~rows], garbage[~rows])
+    rows_h = rows.transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.asarray(l2)[rows_h], np.asarray(lse0)[rows_h])
+    assert float(np.max(c2.scores)) <= 1.0 and float(np.max(c2.out)) <= 1.0
+
+
 def test_redo_kernel_gates_its_rows(hopper):
     b, t, h, kv, d = 1, 256, 4, 2, 128
     q, k, v = _qkv(b, t, h, kv, d, seed=8)

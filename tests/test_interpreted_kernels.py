@@ -161,6 +161,11 @@ def test_forward_redo_rewrites_the_flagged_blocks_alone(interpreted, shape, conf
 
 
 @in_process
+def test_persistent_forward_redo_runs_several_units_a_cta(interpreted):
+    gpu_fwd.test_persistent_redo_runs_several_units_a_cta(None)
+
+
+@in_process
 def test_forward_redo_gates_its_rows(interpreted):
     gpu_fwd.test_redo_kernel_gates_its_rows(None)
 
@@ -205,6 +210,7 @@ CASES = {  # the default run's cases, each in a fresh process
     "redo-forward": lambda: test_forward_redo_rewrites_the_flagged_blocks_alone(
         None, REDO_FWD, ops.FlashConfig()
     ),
+    "redo-persistent": lambda: test_persistent_forward_redo_runs_several_units_a_cta(None),
     "redo-backward": lambda: test_backward_redo_recomputes_the_flagged_blocks(None, REDO_BWD),
 }
 ROOT = pathlib.Path(__file__).resolve().parent.parent

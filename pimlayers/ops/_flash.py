@@ -128,6 +128,14 @@ class FlashConfig:
     # benchmarks.run --suite bounds``). ``PIMLAYERS_BOUNDS_KERNEL=0`` in the environment makes None
     # mean False (:func:`bounds_kernel`).
     bounds_kernel: bool | None = None
+    # The redo's persistent CTAs (:func:`flash_attention_redo`): each runs the flagged units (CTAs
+    # of the first pass) of its share, p, p + redo_ctas, ..., one after another, and a clean redo is
+    # one wave of CTAs that read a flag each and exit. About one per SM of an H100 or H200 (132).
+    # Launched a CTA per unit (2,048 at B = 1, T = 8192, 32 heads), as until 2026-12-08, the clean
+    # redo was 16 waves of CTAs that took a whole SM's shared memory only to read their flag: about
+    # 30 us of a 1.1 ms forward (peers-s66fv, H200, the default's 1.10 ms against 1.07 without
+    # the redo).
+    redo_ctas: int = 128
 
 
 class FlashChecks(NamedTuple):
@@ -347,11 +355,14 @@ def _load(plgpu, ref, layout):
         return plgpu.load(ref, (), layout=layout)
 
 
-def _stream(pl, plgpu, steps, stages: int, pipes, guard: bool = True) -> None:
+def _stream(pl, plgpu, steps, stages: int, pipes, guard: bool = True, drain: bool = False) -> None:
     """The TMA warpgroup's loop over ``steps`` blocks with ``stages`` in flight. ``pipes``: a list of
     (consumed barrier, load(step, slot)); block n + stages goes into slot n % stages once both
     compute warpgroups released that slot's block, each pipe on its own barrier (one operand can be
-    refilled while the other is still read). ``guard``: skip first loads past ``steps``."""
+    refilled while the other is still read). ``guard``: skip first loads past ``steps``. ``drain``:
+    then wait until the last ``stages`` blocks are released too, so that every slot is free and
+    every consumed barrier's phase waited once per use (a CTA that runs this again, the persistent
+    redo's, starts with the barriers as a fresh CTA finds them: the phases are counted per thread)."""
     for i in range(stages):
 
         def first(i=i):
@@ -369,6 +380,39 @@ def _stream(pl, plgpu, steps, stages: int, pipes, guard: bool = True) -> None:
         for done, load in pipes:
             plgpu.barrier_wait(done.at[slot])
             load(n + stages, slot)
+
+    if drain:
+        for i in range(stages):
+            n = jnp.asarray(steps, jnp.int32) - (stages - i)
+
+            @pl.when(n >= 0)
+            def _(n=n):
+                slot = lax.rem(n, jnp.array(stages, jnp.int32))
+                for done, _ in pipes:
+                    plgpu.barrier_wait(done.at[slot])
+
+
+def _busy_ctas(flags: Int32[Array, "b h nq"], ctas: int) -> Int32[Array, " ctas"]:
+    """Per persistent redo CTA p, whether any of its units (flat indices p, p + ctas, ...) is flagged."""
+    flat = (flags.reshape(-1) != 0).astype(jnp.int32)
+    flat = jnp.pad(flat, (0, -flat.size % ctas))
+    return flat.reshape(-1, ctas).max(axis=0)
+
+
+def _flagged_units(pl, flags_ref, busy_ref, ctas: int, run) -> None:
+    """A persistent redo CTA's loop: ``run((batch, head, block))`` for each flagged unit of its share
+    (the flat units p, p + ctas, ... of ``flags_ref``, (B, H, blocks) int32), one after another. A
+    CTA whose share has none reads ``busy_ref[p]`` (:func:`_busy_ctas`) and exits."""
+    p = lax.axis_index("cta")
+    b, h, nq = flags_ref.shape
+
+    @pl.when(busy_ref[p] != 0)
+    def _():
+        @pl.loop(0, pl.cdiv(b * h * nq - p, jnp.array(ctas, jnp.int32)))
+        def _(i):
+            u = p + i * ctas
+            at = (lax.div(u, h * nq), lax.rem(lax.div(u, nq), h), lax.rem(u, nq))
+            pl.when(flags_ref[at] != 0)(lambda: run(at))
 
 
 def _kernel_call(
@@ -413,18 +457,39 @@ def _kernel_call(
     dn = d + CS if fuse_v else d  # the output accumulator's columns: out, then (fused) the check's
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    if redo is not None and (not isinstance(cfg.redo_ctas, int) or cfg.redo_ctas < 1):
+        raise ValueError(
+            f"pimlayers.flash_attention_redo: FlashConfig.redo_ctas is {cfg.redo_ctas!r}; "
+            "expected an int >= 1"
+        )
+    redo_ctas = min(b * h * (t // (2 * bq)), cfg.redo_ctas)
 
     def kernel(refs, scoped):
+        n_in = 3 + len(extras)
         if redo is None:
-            body(refs, scoped)
-            return
-        # The redo: only a CTA whose rows failed a check runs (a scalar read from global memory;
-        # every warpgroup reads it, so all three skip together).
-        flags_ref = refs[3 + len(extras)]
-        flag = flags_ref[lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")]
-        pl.when(flag != 0)(lambda: body(refs[: 3 + len(extras)] + refs[4 + len(extras) :], scoped))
+            own = refs
+            units = lambda run: run(tuple(lax.axis_index(n) for n in ("batch", "heads", "q_seq")))
+        else:
+            # The redo: a few persistent CTAs, each running the flagged units of its share one after
+            # another (:func:`_flagged_units`); every warpgroup reads the same flags, so all three
+            # run or skip each unit together.
+            own = refs[:n_in] + refs[n_in + 2 :]
+            units = functools.partial(_flagged_units, pl, refs[n_in], refs[n_in + 1], redo_ctas)
+        wg = lax.axis_index("wg")
 
-    def body(refs, scoped):
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            units(lambda at: body(own, scoped, at)[0]())
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            units(lambda at: body(own, scoped, at)[1]())
+
+    def body(refs, scoped, at):
+        """The compute and memory warpgroups' work on one unit, ``at`` = (batch, head, block of
+        2 block_q query rows): two functions, each run by its own warpgroups."""
         q_ref, k_ref, v_ref = refs[:3]
         ins = refs[3 : 3 + len(extras)]
         outs = refs[3 + len(extras) :]
@@ -437,24 +502,18 @@ def _kernel_call(
         qo2, k_smem, v_smem, ks_smem, vs_smem, km_smem, rows_f, rows_i = smem
         k_bar, v_bar, ks_bar, vs_bar, q_bar, row_bar = bars
         k_done, v_done = consumed
-        batch = lax.axis_index("batch")
-        q_head = lax.axis_index("heads")
+        batch, q_head, q_seq = at
         wg = lax.axis_index("wg")
 
         def schedule():
             plgpu.barrier_arrive(schedule_barrier)
             plgpu.barrier_wait(schedule_barrier)
 
-        if causal:
-            cta_steps = pl.cdiv((lax.axis_index("q_seq") + 1) * (2 * bq), jnp.array(bk, jnp.int32))
-        else:
-            cta_steps = nb
+        cta_steps = pl.cdiv((q_seq + 1) * (2 * bq), jnp.array(bk, jnp.int32)) if causal else nb
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
+        def compute():
             qo = qo2.at[wg]
-            base = lax.axis_index("q_seq") * (2 * bq) + wg * bq
+            base = q_seq * (2 * bq) + wg * bq
             rows = pl.ds(base, bq)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], qo, q_bar.at[wg])
             # The scores bound's tile (checks), then the per-row injection sites (int32).
@@ -588,8 +647,17 @@ def _kernel_call(
 
                 def flush(kv, _):
                     # Keep the TMA pipeline's barriers in step when this warpgroup needs fewer key
-                    # blocks than the CTA's other one.
+                    # blocks than the CTA's other one. A persistent redo CTA also waits for the
+                    # blocks it skips: a barrier's phase is counted per thread, by its waits, and
+                    # must be where a fresh CTA's is when the next unit starts.
                     slot = lax.rem(kv, jnp.array(stages, kv.dtype))
+                    if redo is not None:
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        if checks and not fuse_e:
+                            plgpu.barrier_wait(ks_bar.at[slot])
+                        if checks and not fuse_v:
+                            plgpu.barrier_wait(vs_bar.at[slot])
                     plgpu.barrier_arrive(k_done.at[slot])
                     plgpu.barrier_arrive(v_done.at[slot])
                     schedule()
@@ -645,9 +713,7 @@ def _kernel_call(
                 plgpu.copy_smem_to_gmem(rows_f.at[wg, 3], outs[4].at[batch, q_head, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+        def memory():
             kv_head = lax.div(q_head, jnp.array(g, q_head.dtype))
 
             def load_k(step, slot):
@@ -679,7 +745,13 @@ def _kernel_call(
                         vs_ref.at[batch, kv_head, step], vs_smem.at[slot], vs_bar.at[slot]
                     )
 
-            _stream(pl, plgpu, cta_steps, stages, [(k_done, load_k), (v_done, load_v)], guard=False)
+            # The redo's CTAs run several units: first loads only of blocks the unit has, and the
+            # last blocks' release awaited, so the next unit finds every slot free.
+            persistent = redo is not None
+            pipes = [(k_done, load_k), (v_done, load_v)]
+            _stream(pl, plgpu, cta_steps, stages, pipes, guard=persistent, drain=persistent)
+
+        return compute, memory
 
     def entry(*refs):
         tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -721,10 +793,12 @@ def _kernel_call(
     grid, names = (h, t // (2 * bq), b), ("heads", "q_seq", "batch")
     params = plgpu.CompilerParams(approx_math=True)
     if redo is not None:
-        # Refs are aliased in and out of the kernel: what a skipped CTA does not write keeps the
-        # first pass's values, with no copy.
-        mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg")
-        pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)(q, k, v, *extras, *redo)
+        # Refs are aliased in and out of the kernel: what a unit not redone does not write keeps
+        # the first pass's values, with no copy.
+        flags, *refs = redo
+        mesh = plgpu.Mesh(grid=(redo_ctas,), grid_names=("cta",), num_threads=3, thread_name="wg")
+        run = pl.kernel(entry, out_type=(), mesh=mesh, compiler_params=params)
+        run(q, k, v, *extras, flags, _busy_ctas(flags, redo_ctas), *refs)
         return None
     operands = (q, k, v, *extras)
     out = plgpu.kernel(
