@@ -132,9 +132,9 @@ class FlashConfig:
     # of the first pass) of its share, p, p + redo_ctas, ..., one after another, and a clean redo is
     # one wave of CTAs that read a flag each and exit. About one per SM of an H100 or H200 (132).
     # Launched a CTA per unit (2,048 at B = 1, T = 8192, 32 heads), as until 2026-12-08, the clean
-    # redo was 16 waves of CTAs that took a whole SM's shared memory only to read their flag: about
-    # 30 us of a 1.1 ms forward (peers-s66fv, H200, the default's 1.10 ms against 1.07 without
-    # the redo).
+    # redo was 16 waves of CTAs that took a whole SM's shared memory only to read their flag: 16 us
+    # of kernel time beside the 962 us forward on an H100, no longer measurable on 128 CTAs
+    # (docs/gpu-tests.md, sixty-eighth session).
     redo_ctas: int = 128
 
 
