@@ -6,7 +6,9 @@ tests (``tests/test_gpu.py``) check the kernel against that reference and run th
 scenarios through it.
 """
 
+import collections
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,13 @@ def _qkv(b=B, t=T, h=H, kv=KV, d=D, seed=0, scale=1.0):
 def _gpu_text(fn, *args) -> str:
     """``fn``'s program lowered for a GPU, as text (Mosaic GPU and Triton lower without one)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def lowered(fn, *args) -> tuple[int, int, int]:
+    """``fn`` lowered for a GPU: its Mosaic GPU launches, Triton launches and while loops."""
+    text = _gpu_text(fn, *args)
+    calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
+    return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"], text.count("stablehlo.while")
 
 
 def _faults(rows, b=B, h=H, t=T):
@@ -201,8 +210,7 @@ def test_the_environment_can_make_the_default_bounds_xlas(monkeypatch):
     def lowered(fwd, bwd):
         f = jax.jit(lambda a, b: ops._flash.flash_bounds(a, b, lam=8.0, config=fwd))
         g = jax.jit(lambda a, b, c: flash_bwd_bounds(a, b, c, a, lam=8.0, config=bwd, out=a))
-        low = lambda fn, *xs: fn.trace(*xs).lower(lowering_platforms=("cuda",)).as_text()
-        return low(f, k, v).count("xla.gpu.triton"), low(g, q, k, v).count("xla.gpu.triton")
+        return _gpu_text(f, k, v).count("xla.gpu.triton"), _gpu_text(g, q, k, v).count("xla.gpu.triton")
 
     assert lowered(ops.FlashConfig(), FlashBwdConfig()) == (0, 0)
     assert lowered(ops.FlashConfig(bounds_kernel=True), FlashBwdConfig(bounds_kernel=True)) == (2, 3)
@@ -455,19 +463,11 @@ def test_the_default_on_a_hopper_gpu_lowers_to_the_device_redo_without_a_loop(mo
     round trip; the loop policy keeps its two loops. Also under vmap(grad) of a rematerialised scan,
     as a Llama step runs it (the redo's refs live inside ``run_state``: as ``jax.new_ref`` inside
     the vmap fold, jax 0.10 failed to lower them, "No state discharge rule ... custom_vmap_call")."""
-    import collections
-    import re
-
     from pimlayers.layers import attention as A
 
     for mod in (ops._flash, ops._flash_bwd, A):
         monkeypatch.setattr(mod, "hopper", lambda: True)
     q, k, v = _qkv(d=128)
-
-    def lowered(fn, *args):
-        text = _gpu_text(fn, *args)
-        calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
-        return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"], text.count("stablehlo.while")
 
     def loss(q, k, v, policy=POLICY):
         return jnp.sum(L.attention_core(q, k, v, policy=policy, flash=True)[0].astype(jnp.float32))
@@ -560,9 +560,6 @@ def test_the_hopper_kernels_type_check_inside_shard_map(monkeypatch, cpu_mesh):
     there ("manual_axis_type ... must not be None") and the backward's cotangents came back
     invariant (a custom VJP type error). The attention's device redo updates refs, which jax 0.11.2
     refuses to vary over mesh axes, so with the checks on it gives way to the loop."""
-    import collections
-    import re
-
     from jax.sharding import PartitionSpec as P
 
     from pimlayers.layers import attention as A
@@ -571,11 +568,6 @@ def test_the_hopper_kernels_type_check_inside_shard_map(monkeypatch, cpu_mesh):
     for mod in (ops._flash, ops._flash_bwd, ops._fused_gemm, A, pm):
         monkeypatch.setattr(mod, "hopper", lambda: True)
     n = cpu_mesh.devices.size
-
-    def lowered(fn, *args):
-        text = _gpu_text(fn, *args)
-        calls = collections.Counter(re.findall(r"custom_call @([\w$.]+)", text))
-        return calls["mosaic_gpu_v2"], calls["__gpu$xla.gpu.triton"], text.count("stablehlo.while")
 
     q, k, v = _qkv(b=n, d=128)
     attn = lambda q, k, v: jnp.sum(
