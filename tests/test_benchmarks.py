@@ -1951,6 +1951,21 @@ def test_bounds_suite_checks_the_backward_bounds_against_host_sums(monkeypatch):
         bounds.run(t=256, h=4, kv=2, d=64)
 
 
+def test_redo_cost_refuses_bad_arguments_and_a_machine_without_a_hopper_gpu():
+    """The redo's kernel-by-kernel cost runs the Hopper kernels only: elsewhere it says so, and a
+    malformed shape is refused before anything runs."""
+    from benchmarks import redo_cost
+    from pimlayers.ops._flash import hopper
+
+    with pytest.raises(ValueError, match="B,T,H,KV,D"):
+        redo_cost.main(["--shape", "1,256"])
+    with pytest.raises(ValueError, match="--reps 0"):
+        redo_cost.main(["--reps", "0"])
+    if not hopper():
+        with pytest.raises(SystemExit, match="Hopper GPU only"):
+            redo_cost.main(["--shape", "1,256,2,1,64", "--reps", "1"])
+
+
 def test_bounds_suite_times_the_queries_kernel_at_each_warp_count_after_checking_it():
     """On a GPU the suite adds a row per warp count of the backward bounds' queries kernel, each
     checked against the default's arrays first (here the kernels interpreted on the CPU, no times)."""
